@@ -1,0 +1,86 @@
+"""Methods as gradient-coefficient plugins, and their registry.
+
+In the unified view of DeepSeekMath (arXiv:2402.03300, §5.2.1) every method's gradient is
+
+    E_{(q,o)~D} [ (1/|o|) Σ_t GC(q, o, t) ∇θ log πθ(o_t | q, o_<t) ].
+
+A plugin supplies what differs: its data source, what the engine must compute for it (rewards, old or reference
+log-probs), per-batch preparation (advantages, filters) and the per-token coefficient GC. The engine turns any GC into
+the surrogate loss −aggregate(stopgrad(GC) · log πθ); it never asks which method it runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch
+
+from posttrain.errors import ConfigError
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+class Algorithm:
+    """Defaults shared by every plugin. Subclasses set `Config` and override what differs.
+
+    Attributes:
+        name: the registry name, set by `register`.
+        Config: dataclass of the method's own hyperparameters (the recipe's `algorithm` group, less `name`).
+        source: "offline" (rows of prompt and response) or "online" (samples of the current policy each step).
+    """
+
+    name: str = ""
+    Config: type = object
+    source: str = "offline"
+
+    @staticmethod
+    def needs(cfg: Any) -> frozenset[str]:
+        """What the engine must provide: any of "reward", "old_logp", "ref_logp"."""
+        return frozenset()
+
+    @staticmethod
+    def samples_per_prompt(cfg: Any) -> int:
+        """Completions sampled per prompt by an online source."""
+        return 1
+
+    @staticmethod
+    def epochs(cfg: Any) -> int:
+        """Optimizer steps taken on each batch (μ in the paper)."""
+        return 1
+
+    @staticmethod
+    def prepare(batch: Any, cfg: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Per-batch work before it is split into micro-batches (e.g. group advantages). Returns (batch, metrics)."""
+        return batch, {}
+
+    @staticmethod
+    def coefficient(batch: Any, logp: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GC for every response token of a micro-batch, from detached tensors. Returns (gc [B, R], metrics)."""
+        raise NotImplementedError
+
+
+def register(name: str):
+    """Class decorator adding a plugin to the registry under `name`; a second plugin with the same name is an error."""
+
+    def add(cls: type[Algorithm]) -> type[Algorithm]:
+        if name in REGISTRY:
+            raise ValueError(f"algorithm {name!r} is registered twice ({REGISTRY[name].__module__}, {cls.__module__})")
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def get(name: str) -> type[Algorithm]:
+    """The plugin registered as `name`; an unknown name is a ConfigError listing the known ones."""
+    if name not in REGISTRY:
+        near = difflib.get_close_matches(str(name), REGISTRY, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; {hint}known: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+# The built-in methods register themselves on import.
+from posttrain.algorithms import grpo, sft  # noqa: F401

@@ -1,0 +1,149 @@
+"""Data sources: rows from a file, a `datasets` object or the embedded task, turned into padded `Batch`es.
+
+Offline methods train on (prompt, response) rows; online methods take prompts from the same rows and sample the
+responses (`posttrain.rollout`). A row is a dict; the config names the fields that hold the question, the target
+response and the reference answer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain import embedded
+from posttrain.batch import Batch
+from posttrain.config import DataConfig
+from posttrain.errors import DataError
+
+
+def read_rows(source: Any, key: str = "data.path") -> list[dict]:
+    """Rows from a .jsonl / .parquet file, a `datasets` directory (save_to_disk) or an in-memory `datasets.Dataset`.
+
+    Raises:
+        DataError: naming `key` and the file, when it is missing, unreadable, malformed or empty.
+    """
+    if not isinstance(source, (str, Path)):
+        rows = [dict(r) for r in source]  # a datasets.Dataset or any iterable of mappings
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise DataError(f"{key}: no such file or directory '{path}'")
+        try:
+            if path.is_dir():
+                import datasets
+
+                rows = [dict(r) for r in datasets.load_from_disk(str(path))]
+            elif path.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                rows = pq.read_table(path).to_pylist()
+            else:
+                rows = _read_jsonl(path, key)
+        except DataError:
+            raise
+        except Exception as err:  # each reader raises its own types; the user needs the file and the reason
+            raise DataError(f"{key}: cannot read '{path}' ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    if not rows:
+        raise DataError(f"{key}: '{source}' holds no rows")
+    return rows
+
+
+def _read_jsonl(path: Path, key: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{key}: '{path}' line {n} is not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{key}: '{path}' line {n} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def check_fields(rows: list[dict], fields: list[str], where: str) -> None:
+    """Every row has every field as a non-empty string (or number); otherwise a DataError naming the row."""
+    for n, row in enumerate(rows, 1):
+        for name in fields:
+            value = row.get(name)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise DataError(f"{where}: row {n} has no field '{name}' (fields: {', '.join(row) or 'none'})")
+
+
+def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows: the embedded task, or `path` (and `test_path`) with `fields` checked."""
+    if cfg.path is None:
+        return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand)
+    train = read_rows(cfg.path, "data.path")
+    check_fields(train, fields, cfg.path)
+    if cfg.test_path is not None:
+        test = read_rows(cfg.test_path, "data.test_path")
+        check_fields(test, [cfg.prompt_field, cfg.answer_field], cfg.test_path)
+    else:  # hold out the tail, so evaluation never sees a training row
+        if len(train) <= num_test:
+            raise DataError(f"data.path: '{cfg.path}' has {len(train)} rows, too few to hold out {num_test} "
+                            f"for eval; set data.test_path or a smaller eval.num_problems")
+        train, test = train[: len(train) - num_test], train[len(train) - num_test :]
+    return train, test
+
+
+def prompt_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:
+    """Token ids of each row's question inside `cfg.template`, cut from the left to `max_prompt_len`."""
+    texts = [cfg.template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
+    return [ids[-cfg.max_prompt_len :] for ids in tokenizer(texts)["input_ids"]]
+
+
+def response_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:
+    """Token ids of each row's target response, followed by EOS, cut to `max_response_len`."""
+    texts = [str(r[cfg.response_field]) for r in rows]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [ids[: cfg.max_response_len - 1] + [tokenizer.eos_token_id] for ids in encoded]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: ([B, P] ids, [B, P] attention mask)."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p) :] = 1
+    return ids, mask
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+    """Left-pads prompts to P and right-pads responses to R; `mask` marks the response tokens."""
+    prompt, prompt_mask = left_pad(prompts, pad_id)  # [B, P]
+    R = max(map(len, responses))
+    response = torch.full((len(responses), R), pad_id, dtype=torch.long)  # [B, R]
+    mask = torch.zeros((len(responses), R))  # [B, R]
+    for i, r in enumerate(responses):
+        response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return Batch(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+                 mask=mask, prompt_len=prompt.shape[1])
+
+
+class RowSampler:
+    """Endless, seeded, reshuffled-each-epoch draws of rows; each data-parallel rank gets its own shard."""
+
+    def __init__(self, rows: list[dict], seed: int, rank: int = 0, world: int = 1):
+        self.rows = rows[rank::world] or rows
+        self.rng = random.Random(seed * 1009 + rank)
+        self.order: list[int] = []
+
+    def next(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = list(range(len(self.rows)))
+                self.rng.shuffle(self.order)
+            out.append(self.rows[self.order.pop()])
+        return out

@@ -1,0 +1,43 @@
+"""Run directories: a run writes into `<output_dir>.partial` and takes the place of `output_dir` only when it has
+finished, so a failed or interrupted run never leaves a half-written directory where a good one was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from posttrain.errors import ConfigError
+
+
+class RunDir:
+    def __init__(self, output_dir: str | Path, overwrite: bool):
+        self.final = Path(output_dir)
+        if self.final.exists() and not self.final.is_dir():
+            raise ConfigError(f"output_dir: '{self.final}' is a file, not a directory")
+        if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
+            raise ConfigError(f"output_dir: '{self.final}' is not empty; pass overwrite=true or another output_dir=…")
+        self.path = self.final.with_name(self.final.name + ".partial")
+
+    def create(self) -> Path:
+        """Empties and creates the staging directory (a previous failed run's leftovers go)."""
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def commit(self) -> Path:
+        """Moves the finished run into place; an existing `output_dir` is removed only after that move."""
+        old = self.final.with_name(self.final.name + ".old")
+        if self.final.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            self.final.rename(old)
+        self.path.rename(self.final)
+        if old.exists():
+            shutil.rmtree(old)
+        return self.final
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,42 @@
+"""The progress bar: step, reward, KL, loss and tokens/s, on the terminal (stderr) of the main process."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
+FIELDS = (("reward", "reward {:.3f}"), ("kl", "kl {:.4f}"), ("loss", "loss {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"))
+
+
+class Progress:
+    """A live bar on a terminal; a plain line every tenth of the run otherwise (logs, CI)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.enabled = total, enabled
+        self.console = Console(stderr=True)
+        self.live = enabled and self.console.is_terminal
+        self.bar = RichProgress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                                TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), console=self.console)
+        self.task = None
+
+    def __enter__(self) -> Progress:
+        if self.live:
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=self.total, info="")
+        return self
+
+    def update(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        info = "  ".join(fmt.format(metrics[k]) for k, fmt in FIELDS if k in metrics)
+        if self.live:
+            self.bar.update(self.task, completed=metrics["step"], info=info)
+        elif metrics["step"] % max(1, self.total // 10) == 0 or metrics["step"] == self.total:
+            print(f"step {metrics['step']}/{self.total}  {info}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.bar.stop()

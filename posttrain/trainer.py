@@ -1,0 +1,251 @@
+"""The engine: one training loop for every method.
+
+Each step: the plugin's data source makes a `Batch` (offline rows, or policy samples with rewards); the engine scores
+whatever the plugin asked for (reference and old log-probs); the plugin prepares the batch (advantages) and gives a
+gradient coefficient per token; the engine turns it into −aggregate(stopgrad(GC) · log πθ), accumulates gradients
+over micro-batches and steps the optimizer. Nothing here depends on which method runs.
+
+Distribution goes through accelerate: one process by default, DDP under `accelerate launch`. Losses are divided by
+the token and sequence counts of the whole step across processes (and multiplied by the process count, since DDP
+averages gradients), so the update does not depend on how the batch is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from posttrain import config as config_mod
+from posttrain import data, rewards, rollout
+from posttrain.aggregation import Totals, aggregate
+from posttrain.batch import Batch
+from posttrain.config import RunConfig
+from posttrain.errors import UserError
+from posttrain.evaluate import evaluate
+from posttrain.outputs import RunDir, write_json
+from posttrain.progress import Progress
+from posttrain.scoring import token_logprobs
+
+
+def load_model(path: str | Path, dtype: str = "float32"):
+    """A causal LM and its tokenizer from a local Hugging Face directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.path: '{path}' is not a Hugging Face model directory (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"model.path: cannot load '{path}' ({str(err).splitlines()[0]})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def peak_memory_mb() -> dict[str, float]:
+    """Peak resident memory of this process (and peak CUDA memory allocated, on a GPU), in MiB."""
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available():
+        out["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def load_data(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows, with the fields the method reads checked on every row."""
+    d = cfg.data
+    online = config_mod.algorithm_of(cfg).source == "online"
+    fields = [d.prompt_field, d.answer_field if online else d.response_field]
+    return data.load_splits(d, fields, cfg.eval.num_problems)
+
+
+class Engine:
+    """Holds the models, optimizer and data of one run; `step` does one optimizer step's worth of work per epoch."""
+
+    def __init__(self, cfg: RunConfig, model_path: str | Path, accelerator: Accelerator,
+                 splits: tuple[list[dict], list[dict]] | None = None):
+        self.cfg, self.acc = cfg, accelerator
+        self.plugin = config_mod.algorithm_of(cfg)
+        self.needs = self.plugin.needs(cfg.algorithm)
+        online = self.plugin.source == "online"
+        self.train_rows, self.test_rows = splits or load_data(cfg)
+        self.sampler = data.RowSampler(self.train_rows, cfg.seed, accelerator.process_index,
+                                       accelerator.num_processes)
+        self.reward_fn = rewards.combine(cfg.rewards) if "reward" in self.needs else None
+        policy, self.tokenizer = load_model(model_path, cfg.model.dtype)
+        self.ref = None
+        if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
+            self.ref = load_model(model_path, cfg.model.dtype)[0].eval().requires_grad_(False).to(accelerator.device)
+        t = cfg.train
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
+        self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
+        self.model = accelerator.unwrap_model(self.policy)
+        # Log-probs are scored at the sampling temperature for sampled data, at 1 for offline rows.
+        self.temperature = cfg.rollout.temperature if online else 1.0
+        self.norm = t.loss_agg_norm or float(cfg.rollout.max_new_tokens)
+
+    # -- data -------------------------------------------------------------------------------------------------
+    def make_batch(self) -> tuple[Batch, dict[str, float]]:
+        cfg, tok = self.cfg, self.tokenizer
+        rows = self.sampler.next(cfg.train.batch_size)
+        prompts = data.prompt_ids(tok, rows, cfg.data)
+        stats: dict[str, float] = {}
+        if self.plugin.source == "offline":
+            batch = data.collate(prompts, data.response_ids(tok, rows, cfg.data), tok.pad_token_id)
+        else:
+            n = self.plugin.samples_per_prompt(cfg.algorithm)
+            t0 = time.perf_counter()
+            batch = rollout.sample(self.model, tok, prompts, n, max_new_tokens=cfg.rollout.max_new_tokens,
+                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+            stats["time/rollout"] = time.perf_counter() - t0
+            stats["generated_tokens"] = float(batch.mask.sum())
+            stats["response_len"] = float(batch.mask.sum(-1).mean())
+            stats["truncated_frac"] = float(batch.truncated.float().mean())
+        if self.reward_fn is not None:
+            t0 = time.perf_counter()
+            answers = [str(r[cfg.data.answer_field]) for r in rows for _ in range(len(batch) // len(rows))]
+            total, parts = self.reward_fn(rollout.completions(tok, batch), answers)
+            batch.reward = torch.tensor(total)
+            stats["reward"] = sum(total) / len(total)
+            stats.update({f"reward/{k}": sum(v) / len(v) for k, v in parts.items()})
+            stats["time/reward"] = time.perf_counter() - t0
+        return batch.to(self.acc.device), stats
+
+    @torch.no_grad()
+    def score(self, model, batch: Batch) -> torch.Tensor:
+        """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
+        parts = [token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature)
+                 for mb in batch.split(self.cfg.train.micro_batch_size)]
+        return torch.cat(parts)  # [B, R]
+
+    # -- update -----------------------------------------------------------------------------------------------
+    def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
+        """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
+        cfg, acc = self.cfg, self.acc
+        micro = batch.split(cfg.train.micro_batch_size)
+        loss_sum, metrics = torch.zeros((), device=acc.device), {}
+        for i, mb in enumerate(micro):
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.policy)
+            with sync:
+                logp = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                      temperature=self.temperature)  # [b, R]
+                gc, m = self.plugin.coefficient(mb, logp.detach(), cfg.algorithm)  # [b, R]
+                loss = -aggregate(gc.detach() * logp, mb.mask, cfg.train.loss_agg, totals, self.norm)
+                acc.backward(loss * acc.num_processes)  # DDP averages; totals already span every process
+            loss_sum += loss.detach()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
+        metrics["loss"] = loss_sum
+        return metrics
+
+    def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
+        """One optimizer step on the gradient of the whole batch."""
+        metrics = self.accumulate(batch, totals)
+        if self.cfg.train.max_grad_norm > 0:
+            metrics["grad_norm"] = self.acc.clip_grad_norm_(self.policy.parameters(), self.cfg.train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def step(self) -> dict[str, float]:
+        t_start = time.perf_counter()
+        batch, stats = self.make_batch()
+        t0 = time.perf_counter()
+        if self.ref is not None:
+            batch.ref_logp = self.score(self.ref, batch)
+        if "old_logp" in self.needs:
+            batch.old_logp = self.score(self.policy, batch)
+        stats["time/score"] = time.perf_counter() - t0
+        batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
+        counts = torch.tensor([Totals.of(batch.mask).seqs, Totals.of(batch.mask).tokens], device=self.acc.device)
+        totals = Totals(*self.acc.reduce(counts, "sum").tolist())
+        t0 = time.perf_counter()
+        metrics = dict(prep)
+        for _ in range(self.plugin.epochs(self.cfg.algorithm)):
+            metrics.update(self.update(batch, totals))
+        stats["time/update"] = time.perf_counter() - t0
+        reduced = {k: float(self.acc.reduce(torch.as_tensor(v, device=self.acc.device).float(), "mean"))
+                   for k, v in sorted(metrics.items())}
+        elapsed = time.perf_counter() - t_start
+        trained = float(batch.mask.sum())
+        return {**stats, **reduced, "trained_tokens": trained, "lr": self.scheduler.get_last_lr()[0],
+                "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
+
+    def evaluate(self) -> dict:
+        e = self.cfg.eval
+        return evaluate(self.model, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
+                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                        batch_size=e.batch_size, accelerator=self.acc)
+
+
+def run(cfg: RunConfig, resolved: dict, *, quiet: bool = False) -> dict:
+    """Trains as `cfg` says and writes the run directory. Returns the summary."""
+    from posttrain import warmup
+
+    t_start = time.perf_counter()
+    run_dir = RunDir(cfg.output_dir, cfg.overwrite)  # refuse a non-empty output_dir before any work
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    main = acc.is_main_process
+    summary: dict = {"algorithm": config_mod.algorithm_of(cfg).name}
+    splits = load_data(cfg)  # bad data fails here, before any warm-up or training
+    if cfg.model.path is None:
+        model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
+    else:
+        model_path = cfg.model.path
+    set_seed(cfg.seed)
+    engine = Engine(cfg, model_path, acc, splits)
+    out = run_dir.create() if main else run_dir.path
+    if main:
+        import yaml
+
+        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
+        if not quiet:
+            print(f"posttrain: {summary['algorithm']} run writing to {out} (moved to {run_dir.final} when done)",
+                  file=sys.stderr)
+    acc.wait_for_everyone()
+    if cfg.eval.num_problems:
+        summary["eval_before"] = engine.evaluate()
+    steps = cfg.train.steps
+    with open(out / "metrics.jsonl", "w") if main else contextlib.nullcontext() as log, \
+            Progress(steps, enabled=main and not quiet) as bar:
+        for step in range(1, steps + 1):
+            metrics = {"step": step, **engine.step()}
+            if cfg.eval.num_problems and cfg.eval.every and (step % cfg.eval.every == 0 or step == steps):
+                summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
+                metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
+            metrics["wall_seconds"] = time.perf_counter() - t_start
+            if main:
+                log.write(json.dumps(metrics) + "\n")
+                log.flush()
+                bar.update(metrics)
+                if cfg.train.save_every and step % cfg.train.save_every == 0:
+                    save_model(engine, out / "checkpoints" / f"step_{step}")
+            acc.wait_for_everyone()
+    if cfg.eval.num_problems and not cfg.eval.every:
+        summary["eval_after"] = engine.evaluate()
+    if main:
+        save_model(engine, out / "model")
+        summary.update(steps=steps, wall_seconds=time.perf_counter() - t_start, **peak_memory_mb(),
+                       output_dir=str(run_dir.final))
+        write_json(out / "summary.json", summary)
+        run_dir.commit()
+    acc.wait_for_everyone()
+    return summary
+
+
+def save_model(engine: Engine, path: Path) -> None:
+    """The policy as an ordinary Hugging Face directory (safetensors + tokenizer)."""
+    engine.model.save_pretrained(path, safe_serialization=True)
+    engine.tokenizer.save_pretrained(path)
+

@@ -1,0 +1,74 @@
+"""The accuracy reward for maths word problems (GSM8K, Cobbe et al. 2021, arXiv:2110.14168).
+
+Rule: 1.0 if the completion's final numeric answer equals the reference's, else 0.0. The final answer is the number
+right after the last `####` marker (GSM8K's own format); a completion without a marker falls back to its last number.
+Numbers may carry a sign, a `$`, thousands commas and decimals, and are compared exactly (`fractions.Fraction`), so
+"18", "18.00" and "$18" all equal 18. Model output is only matched with a regex, never evaluated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from decimal import Decimal
+from fractions import Fraction
+
+from posttrain.errors import DataError
+
+from . import register
+
+# A sign (not when it is a minus between two operands, as in "10-3"), an optional `$`, then digits with either
+# well-formed thousands commas ("1,234") or none, then optional decimals. A trailing "." is never taken.
+NUMBER = r"(?:(?<![\w.])(?P<sign>[-+]))?\$?(?P<digits>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+)"
+# Spaces but not newlines between marker and number: "####\n18" is not GSM8K's answer line.
+FINAL = re.compile(r"####[ \t]*" + NUMBER)
+ANY_NUMBER = re.compile(NUMBER)
+
+
+def normalise(match: re.Match) -> str:
+    """The canonical string of a NUMBER match: no `$` or commas, no trailing zeros, no "-0"."""
+    value = Decimal(match["digits"].replace(",", ""))
+    if match["sign"] == "-":
+        value = -value
+    if value == 0:
+        return "0"
+    # normalize() drops trailing zeros ("18.00" -> "18") but may write 1200 as 1.2E+3; "f" writes it out again.
+    return format(value.normalize(), "f")
+
+
+def final_match(text: str) -> re.Match | None:
+    """The NUMBER right after the last `####` in `text` (spaces between allowed), or None; also used by `format`."""
+    marker = text.rfind("####")
+    return FINAL.match(text, marker) if marker >= 0 else None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final numeric answer of `text` as a normalised string, or None if it has none.
+
+    The number right after the last `####` marker; with no marker, the last number anywhere. A marker not followed
+    by a number gives None: the text announced its answer and it is not a number, so no earlier number stands in.
+    """
+    if "####" in text:
+        match = final_match(text)
+        return normalise(match) if match else None
+    matches = list(ANY_NUMBER.finditer(text))
+    return normalise(matches[-1]) if matches else None
+
+
+def is_correct(completion: str, reference: str) -> bool:
+    """Whether the final answer of `completion` equals `reference` (a bare number or a worked answer ending `#### N`).
+
+    Raises:
+        DataError: the reference holds no number, so no completion could ever be scored correct.
+    """
+    expected = extract_answer(reference)
+    if expected is None:
+        raise DataError(f"reference answer {reference[-80:]!r} holds no number to compare with")
+    got = extract_answer(completion)
+    return got is not None and Fraction(got) == Fraction(expected)
+
+
+@register("accuracy")
+def accuracy(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """1.0 per completion whose final answer equals its reference, else 0.0."""
+    return [float(is_correct(c, a)) for c, a in zip(completions, answers, strict=True)]

@@ -1,0 +1,35 @@
+"""Test helpers: the paper's aggregations written out as loops, and the surrogate gradient of a plugin."""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.aggregation import aggregate
+
+
+def written_out_mean(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float = 1.0) -> torch.Tensor:
+    """The aggregation modes as plain loops over sequences and tokens, independent of posttrain.aggregation."""
+    seqs = [i for i in range(per_token.shape[0]) if mask[i].sum() > 0]
+    if mode == "seq_mean_token_mean":  # (1/G) Σ_i (1/|o_i|) Σ_t
+        return sum(sum(per_token[i, t] for t in range(mask.shape[1]) if mask[i, t]) / mask[i].sum() for i in seqs) / len(seqs)
+    if mode == "token_mean":  # Σ_i Σ_t / Σ_i |o_i|
+        return sum(per_token[i, t] for i in seqs for t in range(mask.shape[1]) if mask[i, t]) / mask.sum()
+    if mode == "seq_mean_token_sum_norm":  # (1/G) Σ_i Σ_t / L
+        return sum(per_token[i, t] for i in seqs for t in range(mask.shape[1]) if mask[i, t]) / (norm * len(seqs))
+    raise ValueError(mode)
+
+
+def surrogate_grad(plugin, batch, logp0: torch.Tensor, cfg, mode: str, norm: float = 1.0) -> torch.Tensor:
+    """∂/∂logp of the engine's loss −aggregate(stopgrad(GC) · logp), with GC from the plugin."""
+    logp = logp0.clone().requires_grad_(True)
+    gc, _ = plugin.coefficient(batch, logp.detach(), cfg)
+    loss = -aggregate(gc.detach() * logp, batch.mask, mode, norm=norm)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return grad
+
+
+def objective_grad(objective, logp0: torch.Tensor) -> torch.Tensor:
+    """∂/∂logp of −objective(logp), by autograd."""
+    logp = logp0.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(-objective(logp), logp)
+    return grad

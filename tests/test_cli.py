@@ -1,0 +1,108 @@
+"""The real command line, end to end: outputs, the warm-up cache, the real-data path, and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import FIXTURES
+from transformers import AutoModelForCausalLM
+
+FAST = ["eval.num_problems=6", "eval.batch_size=6", "train.batch_size=2", "algorithm.group_size=2",
+        "rollout.max_new_tokens=6", "data.train_size=100", "data.test_size=20"]
+
+
+def posttrain(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "posttrain", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "COLUMNS": "120"})
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("posttrain: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_recipes_and_help():
+    proc = posttrain("recipes")
+    assert proc.returncode == 0 and "grpo_math" in proc.stdout and "sft_math" in proc.stdout
+    for args in (["--help"], ["run", "--help"], ["config", "--help"], ["recipes", "--help"]):
+        assert posttrain(*args).returncode == 0
+
+
+def test_run_writes_outputs_then_refuses_to_overwrite(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=2",
+                     *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "held-out accuracy" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"eval_before", "eval_after", "wall_seconds", "steps", "peak_rss_mb"} <= summary.keys()
+    assert summary["steps"] == 2 and 0 <= summary["eval_after"]["accuracy"] <= 1
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and {"reward", "kl", "loss", "tokens_per_s"} <= metrics[0].keys()
+    assert "beta: 0.04" in (out / "config.yaml").read_text()
+    AutoModelForCausalLM.from_pretrained(out / "model")  # the final model is an ordinary HF directory
+    assert (out / "model" / "model.safetensors").exists()
+
+    again = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", *FAST)
+    assert_one_line_error(again, "output_dir", "not empty", "overwrite=true")
+
+    # A run that fails half-way (a reference answer with no number) leaves the old results as they were.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps({"question": f"{i}+1", "answer": "unknown"}) for i in range(20)))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    failed = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}",
+                       "overwrite=true", f"data.path={bad}", *FAST)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_warmup_is_cached(tmp_path):
+    args = ["recipe=grpo_math", "train.steps=1", "warmup.steps=3", "warmup.hidden=32", "warmup.layers=1",
+            f"warmup.cache_dir={tmp_path / 'cache'}", *FAST]
+    first = posttrain("run", *args, f"output_dir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stderr
+    assert "warming up" in first.stderr
+    second = posttrain("run", *args, f"output_dir={tmp_path / 'b'}")
+    assert second.returncode == 0 and "warming up" not in second.stderr
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["warmup"]["cached"] is True
+
+
+def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):
+    """The real-data path: GSM8K's question/answer fields, held-out tail, `#### N` answers."""
+    data = FIXTURES / "gsm8k" / "test_head.jsonl"
+    proc = posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={data}",
+                     f"output_dir={tmp_path / 'sft'}", "train.steps=2", "train.batch_size=4", "eval.num_problems=4",
+                     "rollout.max_new_tokens=4", r'data.template="Question: {prompt}\nAnswer: "')  # YAML quoting, as in a shell
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "sft" / "summary.json").read_text())["eval_before"]["num_problems"] == 4
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["recipe=nope"], ["unknown recipe 'nope'", "known: "]),
+    (["recipe=grpo_math", "algorithm.bta=1"], ["did you mean algorithm.beta?"]),
+    (["recipe=grpo_math", "train.steps=x"], ["train.steps: expected int"]),
+    (["recipe=grpo_math", "algorithm.group_size=1"], ["algorithm.group_size"]),
+    (["recipe=grpo_math", "data.path=missing.jsonl"], ["data.path: no such file or directory 'missing.jsonl'"]),
+    (["recipe=grpo_math", "model.path=nowhere"], ["model.path: 'nowhere' is not a Hugging Face model directory"]),
+    ([], ["recipe"]),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, fragments):
+    assert_one_line_error(posttrain("run", *args, f"output_dir={tmp_path / 'x'}", "warmup.steps=1", cwd=tmp_path),
+                          *fragments)
+
+
+def test_empty_data_and_missing_field(tmp_path, tiny_model_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={empty}",
+                                    f"output_dir={tmp_path / 'o'}"), "holds no rows")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2+2"}) + "\n")
+    assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={rows}",
+                                    f"data.test_path={rows}", f"output_dir={tmp_path / 'o'}"),
+                          "row 2 has no field 'answer'")

@@ -1,0 +1,58 @@
+"""Recipes, overrides and the one-line errors for bad input."""
+
+import pytest
+
+from posttrain import config
+from posttrain.errors import ConfigError
+
+
+def test_every_shipped_recipe_validates_and_opens_with_its_command():
+    for name, path in config.known_recipes().items():
+        cfg, resolved = config.load(name)
+        assert path.read_text().splitlines()[0] == f"# posttrain run recipe={name}"
+        assert cfg.description and resolved["algorithm"]["name"]
+
+
+def test_overrides_and_types():
+    cfg, resolved = config.load("grpo_math", ["algorithm.beta=0.02", "train.steps=3", "train.lr=1e-3"])
+    assert cfg.algorithm.beta == 0.02 and cfg.train.steps == 3 and cfg.train.lr == 0.001
+    assert resolved["algorithm"]["beta"] == 0.02
+
+
+def test_int_accepted_for_float():
+    cfg, _ = config.load("grpo_math", ["algorithm.beta=0"])
+    assert cfg.algorithm.beta == 0.0 and isinstance(cfg.algorithm.beta, float)
+
+
+def test_recipe_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("algorithm:\n  name: sft\ntrain:\n  steps: 7\n")
+    cfg, _ = config.load(str(path))
+    assert cfg.train.steps == 7
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    ("grpo_mat", [], "unknown recipe 'grpo_mat'; did you mean 'grpo_math'? known: "),
+    ("grpo_math", ["algorithm.bta=0.1"], "algorithm.bta: unknown key; did you mean algorithm.beta?"),
+    ("grpo_math", ["trian.steps=3"], "trian: unknown key; did you mean train?"),
+    ("grpo_math", ["train.steps=three"], "train.steps: expected int, got 'three'"),
+    ("grpo_math", ["train.steps=1.5"], "train.steps: expected int, got 1.5"),
+    ("grpo_math", ["algorithm.group_size=1"], "algorithm.group_size: GRPO needs at least 2"),
+    ("grpo_math", ["algorithm.clip_eps=0"], "algorithm.clip_eps: must be > 0"),
+    ("grpo_math", ["algorithm.beta=-0.1"], "algorithm.beta: must be ≥ 0"),
+    ("grpo_math", ["algorithm.name=gpro"], "algorithm.name: unknown algorithm 'gpro'; did you mean 'grpo'?"),
+    ("grpo_math", ["train.loss_agg=mean"], "train.loss_agg: unknown mode 'mean'"),
+    ("grpo_math", ["rollout.temperature=0"], "rollout.temperature: must be > 0"),
+    ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),
+    ("grpo_math", ["data.template=nothing"], "data.template: must contain {prompt}"),
+])
+def test_bad_input_names_the_culprit(recipe, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        config.load(recipe, overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_recipe_file():
+    with pytest.raises(ConfigError, match="no such file"):
+        config.load("nowhere/recipe.yaml")

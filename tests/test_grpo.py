@@ -1,0 +1,106 @@
+"""GRPO: group advantages by hand, and the surrogate gradient against autograd on Eq. 3 + Eq. 4 written out."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import objective_grad, surrogate_grad, written_out_mean
+
+from posttrain.aggregation import MODES
+from posttrain.algorithms import get
+from posttrain.algorithms.grpo import GRPOConfig, group_advantages
+from posttrain.batch import Batch
+from posttrain.errors import ConfigError
+
+GRPO = get("grpo")
+
+
+def test_group_advantages_hand_worked():
+    """Group 0 rewards [1, 0, 0, 1]: mean 0.5, unbiased std √(4·0.25/3) = 0.57735, Â = ±0.5/0.57735 = ±0.86603.
+    Group 1 rewards [1, 1] (std 0) gives Â = 0. The groups are interleaved to show order does not matter."""
+    reward = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 1, 0, 0, 1, 0])
+    adv = group_advantages(reward, group, scale_std=True, eps=0.0 + 1e-12)
+    torch.testing.assert_close(adv, torch.tensor([0.86603, 0.0, -0.86603, -0.86603, 0.0, 0.86603]), atol=1e-4, rtol=0)
+    unscaled = group_advantages(reward, group, scale_std=False, eps=1e-4)
+    torch.testing.assert_close(unscaled, torch.tensor([0.5, 0.0, -0.5, -0.5, 0.0, 0.5]))
+
+
+def random_batch(B=6, R=5, G=3, seed=0, spread=0.0):
+    """Random log-probs; `spread` > 0 moves π_old away from πθ so ratios leave [1 − ε, 1 + ε]."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, R, generator=g) * 3
+    old = logp + spread * torch.randn(B, R, generator=g) if spread else None
+    ref = logp + 0.3 * torch.randn(B, R, generator=g)
+    mask = torch.ones(B, R)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    reward = torch.randint(0, 2, (B,), generator=g).float()
+    group = torch.arange(B // G).repeat_interleave(G)
+    batch = Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2), mask=mask,
+                  prompt_len=2, group=group, reward=reward, truncated=torch.zeros(B, dtype=torch.bool), old_logp=old,
+                  ref_logp=ref)
+    return batch, logp
+
+
+def paper_objective(batch, cfg, mode, norm):
+    """J_GRPO (Eq. 3) with the clipped ratio and the k3 KL of Eq. 4, written out."""
+    adv = group_advantages(batch.reward, batch.group, cfg.scale_std, cfg.eps)[:, None]
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+
+    def J(logp):
+        old = batch.old_logp if batch.old_logp is not None else logp.detach()
+        ratio = torch.exp(logp - old)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
+        log_ref_ratio = batch.ref_logp - logp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        return written_out_mean(surrogate - cfg.beta * kl, batch.mask, mode, norm)
+
+    return J
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1-ratio1", "ratio-off-1"])
+@pytest.mark.parametrize("cfg", [GRPOConfig(group_size=3, beta=0.04), GRPOConfig(group_size=3, beta=0.0),
+                                 GRPOConfig(group_size=3, beta=0.1, clip_eps=0.1, clip_eps_high=0.3),
+                                 GRPOConfig(group_size=3, beta=0.02, scale_std=False)],
+                         ids=["default", "beta0", "clip-higher", "dr-grpo"])
+def test_gradient_matches_objective(mode, spread, cfg):
+    batch, logp = random_batch(spread=spread)
+    prepared, _ = GRPO.prepare(batch, cfg)
+    norm = 4.0
+    got = surrogate_grad(GRPO, prepared, logp, cfg, mode, norm)
+    want = objective_grad(paper_objective(batch, cfg, mode, norm), logp)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    if spread:  # the test only proves the clip if some tokens were clipped
+        _, metrics = GRPO.coefficient(prepared, logp, cfg)
+        assert 0 < metrics["clip_frac"] < 1
+
+
+def test_mu1_coefficient_is_paper_form():
+    """With ρ = 1, GC = Â + β(π_ref/πθ − 1) (DeepSeekMath Eq. 21)."""
+    cfg = GRPOConfig(group_size=3, beta=0.05)
+    batch, logp = random_batch()
+    prepared, _ = GRPO.prepare(batch, cfg)
+    gc, _ = GRPO.coefficient(prepared, logp, cfg)
+    torch.testing.assert_close(gc, prepared.adv[:, None] + 0.05 * (torch.exp(batch.ref_logp - logp) - 1))
+
+
+def test_mask_truncated():
+    batch, _ = random_batch()
+    batch = dataclasses.replace(batch, truncated=torch.tensor([False, True, False, False, False, True]))
+    prepared, _ = GRPO.prepare(batch, GRPOConfig(group_size=3, mask_truncated=True))
+    assert prepared.mask[1].sum() == 0 and prepared.mask[5].sum() == 0 and prepared.mask[2].sum() == 5
+
+
+def test_needs():
+    assert GRPO.needs(GRPOConfig(beta=0.0)) == {"reward"}
+    assert GRPO.needs(GRPOConfig(beta=0.1, mu=2)) == {"reward", "ref_logp", "old_logp"}
+
+
+@pytest.mark.parametrize("kwargs, key", [({"group_size": 1}, "group_size"), ({"clip_eps": 0.0}, "clip_eps"),
+                                         ({"beta": -0.1}, "beta"), ({"mu": 0}, "mu"), ({"clip_eps_high": -1.0},
+                                                                                       "clip_eps_high")])
+def test_out_of_range(kwargs, key):
+    with pytest.raises(ConfigError, match=key):
+        GRPOConfig(**kwargs)
