@@ -83,4 +83,4 @@ def get(name: str) -> type[Algorithm]:
 
 
 # The built-in methods register themselves on import.
-from posttrain.algorithms import grpo, sft  # noqa: F401
+from posttrain.algorithms import grpo, sft  # noqa: E402,F401

@@ -72,4 +72,4 @@ def combine(
 
 
 # The built-in rewards register themselves on import.
-from posttrain.rewards import accuracy, format  # noqa: F401
+from posttrain.rewards import accuracy, format  # noqa: E402,F401
