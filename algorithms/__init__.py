@@ -27,16 +27,20 @@ class Algorithm:
     Attributes:
         name: the registry name, set by `register`.
         Config: dataclass of the method's own hyperparameters (the recipe's `algorithm` group, less `name`).
-        source: "offline" (rows of prompt and response) or "online" (samples of the current policy each step).
+        source: where batches come from (`posttrain.sources`): "offline" (rows of prompt and response), "online"
+            (samples of the current policy each step), "samples_once" (samples of the starting model, generated once
+            and kept where correct), "pairs" (a correct and an incorrect response per prompt, from a file or samples).
+        unit: rows that must stay together in one micro-batch (2 for a preference pair).
     """
 
     name: str = ""
     Config: type = object
     source: str = "offline"
+    unit: int = 1
 
     @staticmethod
     def needs(cfg: Any) -> frozenset[str]:
-        """What the engine must provide: any of "reward", "old_logp", "ref_logp"."""
+        """What the engine must provide: any of "reward", "old_logp", "ref_logp", "values" (loads a critic)."""
         return frozenset()
 
     @staticmethod
@@ -50,6 +54,16 @@ class Algorithm:
         return 1
 
     @staticmethod
+    def minibatches(cfg: Any) -> int:
+        """Optimizer steps per epoch: the batch is split into this many minibatches."""
+        return 1
+
+    @staticmethod
+    def aggregation(cfg: Any) -> tuple[str, float] | None:
+        """(mode, norm) when the method fixes how tokens are aggregated; None uses `train.loss_agg`."""
+        return None
+
+    @staticmethod
     def prepare(batch: Any, cfg: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         """Per-batch work before it is split into micro-batches (e.g. group advantages). Returns (batch, metrics)."""
         return batch, {}
@@ -57,6 +71,11 @@ class Algorithm:
     @staticmethod
     def coefficient(batch: Any, logp: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """GC for every response token of a micro-batch, from detached tensors. Returns (gc [B, R], metrics)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def critic_loss(batch: Any, values: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token critic loss [B, R] from the critic's current values, for methods that need "values"."""
         raise NotImplementedError
 
 
@@ -83,4 +102,4 @@ def get(name: str) -> type[Algorithm]:
 
 
 # The built-in methods register themselves on import.
-from posttrain.algorithms import grpo, sft  # noqa: E402,F401
+from posttrain.algorithms import dpo, grpo, online_rft, ppo, rft, sft  # noqa: E402,F401

@@ -1,18 +1,22 @@
 """Peak memory of posttrain's scoring engine against the naive log_softmax over all [B, T, V] logits.
 
-    python bench/scoring_memory.py            # defaults: B=8, P=768, R=256, V=32000; about a minute on 2 CPU cores
+    python bench/scoring_memory.py            # defaults: B=8, P=768, R=256, V=32000; about 75 s on 2 CPU cores
 
 `naive_token_logprobs` materialises float32 [B, T, V] logits and a float32 log_softmax of them; `token_logprobs`
-asks the model for logits at the R response positions only (`logits_to_keep`) and reduces them in chunks of
-`--chunk-rows` rows, checkpointed under autograd. Both are measured in two modes: `no_grad` (reference and old policy)
+asks the model for logits at the R response positions only (`logits_to_keep`) and reduces them in chunks of about
+`--chunk-rows` token positions (whole sequences), checkpointed under autograd. Both are measured in two modes: `no_grad` (reference and old policy)
 and `fwd+bwd` (policy: sum of masked log-probs, then `.backward()`).
 
-Each (variant, mode) runs in its own fresh subprocess, so one variant's peak never hides inside another's; within it
-the measurement is repeated `--repeats` times and the median printed. The figure is peak memory ABOVE the baseline
-taken after the model and inputs are built. On CPU it is the kernel's exact resident-set high-water mark (VmHWM),
-reset before each repeat by writing 5 to /proc/self/clear_refs (Linux >= 4.0); where that is not possible, the RSS
-is sampled every millisecond by a background thread instead, and the output says so. On CUDA it is
-torch.cuda.max_memory_allocated, reset before each repeat.
+Each variant runs in its own fresh subprocess (both modes, one after the other), so one variant's memory never
+hides inside another's peak; each measurement is repeated `--repeats` times and the median printed. The figure is
+peak memory ABOVE the baseline taken after the model and inputs are built. On CPU it is the kernel's exact
+resident-set high-water mark (VmHWM), reset before each repeat by writing 5 to /proc/self/clear_refs (Linux >= 4.0);
+where that is not possible, the RSS is sampled every millisecond by a background thread, and the output says so. On
+CUDA it is torch.cuda.max_memory_allocated, reset before each repeat. The log-probs of both variants are compared.
+
+Reading the figures (no_grad): naive holds three [B, T, V] float32 tensors at once (logits, logits / temperature,
+log_softmax). posttrain holds one [B, R + 1, V] (the kept logits; chunks are views of it) plus logsumexp's temporary
+for one chunk, about `--chunk-rows` × V floats.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,9 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000, help="V; large, so that logits dominate memory")
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama")
     p.add_argument("--max-pad", type=int, default=64, help="each row gets 0..max-pad left-padding tokens")
-    p.add_argument("--chunk-rows", type=int, default=2048, help="token_logprobs' chunk_rows")
+    p.add_argument("--chunk-rows", type=int, default=512, help="token_logprobs' chunk_rows")
     p.add_argument("--repeats", type=int, default=3, help="measurements per (variant, mode); the median is printed")
-    p.add_argument("--worker", nargs=3, metavar=("VARIANT", "MODE", "DEVICE"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=2, metavar=("VARIANT", "DEVICE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -74,15 +79,20 @@ def score(variant: str, model, input_ids, attention_mask, prompt_len: int, chunk
 
 
 class CpuPeak:
-    """Peak RSS above the level at entry. Kernel high-water mark if it can be reset, else 1 ms sampling."""
+    """Peak RSS above the level at entry.
+
+    Linux keeps the exact high-water mark (VmHWM) and resets it when 5 is written to /proc/self/clear_refs (Linux
+    >= 4.0). Where that fails, a thread samples the RSS every millisecond, which can miss a short peak.
+    """
 
     def __init__(self):
         try:
             self._reset_hwm()
-            self.method = "CPU peak RSS above baseline: kernel high-water mark VmHWM, reset via /proc/self/clear_refs"
+            self.exact = True
+            self.method = "CPU: peak RSS above baseline, kernel high-water mark VmHWM reset via /proc/self/clear_refs"
         except OSError:
-            self._reset_hwm = None
-            self.method = "CPU peak RSS above baseline: psutil sampling every 1 ms in a background thread"
+            self.exact = False
+            self.method = "CPU: peak RSS above baseline, psutil sampling every 1 ms in a background thread"
 
     @staticmethod
     def _reset_hwm():
@@ -90,44 +100,43 @@ class CpuPeak:
             f.write("5")
 
     @staticmethod
-    def _status_kib(field: str) -> int:
+    def _status_bytes(field: str) -> int:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+            return 1024 * next(int(line.split()[1]) for line in f if line.startswith(field + ":"))  # "VmRSS: 12 kB"
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.top = max(self.top, psutil.Process().memory_info().rss)
 
     def __enter__(self):
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so every repeat starts from live data
-        if self._reset_hwm:
+        if hasattr(libc := ctypes.CDLL(None), "malloc_trim"):
+            libc.malloc_trim(0)  # glibc: return freed heap pages, so every repeat starts from the live data only
+        if self.exact:
             self._reset_hwm()
-            self.base = self._status_kib("VmRSS") * 1024
+            self.base = self._status_bytes("VmRSS")
         else:
-            proc, self.base, self.top, self._stop = psutil.Process(), psutil.Process().memory_info().rss, 0, False
-
-            def sample():
-                while not self._stop:
-                    self.top = max(self.top, proc.memory_info().rss)
-                    threading.Event().wait(0.001)
-
-            self._thread = threading.Thread(target=sample, daemon=True)
+            self.base = self.top = psutil.Process().memory_info().rss
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        if self._reset_hwm:
-            self.top = self._status_kib("VmHWM") * 1024
+        if self.exact:
+            self.top = self._status_bytes("VmHWM")
         else:
-            self._stop = True
+            self._stop.set()
             self._thread.join()
         self.peak = self.top - self.base
 
 
 class CudaPeak:
-    method = "CUDA torch.cuda.max_memory_allocated above memory_allocated at baseline"
+    method = "CUDA: torch.cuda.max_memory_allocated above memory_allocated at baseline"
 
     def __enter__(self):
         gc.collect()
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.base = torch.cuda.memory_allocated()
         return self
@@ -138,52 +147,53 @@ class CudaPeak:
 
 
 def worker(args) -> None:
-    """Measure one (variant, mode, device) `--repeats` times; print the peaks in MiB as one JSON line."""
-    variant, mode, device = args.worker
+    """Measure one variant on one device, both modes, `--repeats` times each; print one JSON line."""
+    variant, device = args.worker
     model, input_ids, attention_mask, P = build(args, device)
+    mask = attention_mask[:, P:]  # [B, R]
     meter = CudaPeak() if device == "cuda" else CpuPeak()
-    peaks = []
-    for _ in range(args.repeats):
-        model.zero_grad(set_to_none=True)  # each repeat allocates parameter grads afresh
-        with meter, torch.set_grad_enabled(mode == "fwd+bwd"):
-            logp = score(variant, model, input_ids, attention_mask, P, args.chunk_rows)  # [B, R]
-            if mode == "fwd+bwd":
-                (logp * attention_mask[:, P:]).sum().backward()
-            del logp
-        peaks.append(meter.peak / MiB)
-    print(json.dumps({"peaks": peaks, "method": meter.method}))
+    peaks = {mode: [] for mode in MODES}
+    for mode in MODES:
+        for _ in range(args.repeats):
+            model.zero_grad(set_to_none=True)  # each repeat allocates the parameter grads afresh
+            with meter, torch.set_grad_enabled(mode == "fwd+bwd"):
+                logp = score(variant, model, input_ids, attention_mask, P, args.chunk_rows)  # [B, R]
+                if mode == "fwd+bwd":
+                    (logp * mask).sum().backward()
+                else:
+                    values = (logp * mask).tolist()  # for the naive-vs-posttrain comparison
+                del logp
+            peaks[mode].append(meter.peak / MiB)
+    print(json.dumps({"peaks": peaks, "values": values, "method": meter.method}))
 
 
-def measure(variant: str, mode: str, device: str) -> tuple[float, str]:
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", variant, mode, device]
-    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-    return statistics.median(out["peaks"]), out["method"]
-
-
-def max_abs_diff(args) -> float:
-    """Both variants give the same log-probs (no grad, on CPU), over the unpadded response tokens."""
-    model, input_ids, attention_mask, P = build(args, "cpu")
-    with torch.no_grad():
-        naive, ours = (score(v, model, input_ids, attention_mask, P, args.chunk_rows) for v in VARIANTS)
-        return ((naive - ours).abs() * attention_mask[:, P:]).max().item()
+def measure(variant: str, device: str) -> dict:
+    """`worker` in a fresh interpreter, so that no other variant's memory is in its process."""
+    # A fixed mmap threshold stops glibc from moving mid-sized freed tensors into its heap, where they stay resident
+    # and blur the RSS; with it, RSS follows the live tensors and repeats agree to within a few MiB.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MiB)}
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", variant, device]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.splitlines()[-1])
 
 
 def main() -> None:
     args = parse_args()
     if args.worker:
         return worker(args)
-    B, T, V = args.batch, args.prompt_len + args.response_len, args.vocab
-    print(f"B={B} P={args.prompt_len} R={args.response_len} T={T} V={V} chunk_rows={args.chunk_rows} "
-          f"threads={torch.get_num_threads()}, median of {args.repeats} runs, each variant in a fresh subprocess")
+    B, R, V = args.batch, args.response_len, args.vocab
+    T = args.prompt_len + R
+    print(f"B={B} P={args.prompt_len} R={R} T={T} V={V} chunk_rows={args.chunk_rows}, float32 model, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} repeats, each variant in a fresh subprocess")
     print(f"one float32 [B, T, V] tensor: {B * T * V * 4 / MiB:.0f} MiB; "
-          f"one float32 [B, R, V]: {B * args.response_len * V * 4 / MiB:.0f} MiB")
+          f"one float32 [B, R, V]: {B * R * V * 4 / MiB:.0f} MiB")
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-        rows = []
+        naive, ours = (measure(v, device) for v in VARIANTS)
+        print(f"\n{naive['method']}\n{'mode':<10} {'naive MiB':>10} {'posttrain MiB':>15} {'ratio':>8}")
         for mode in MODES:
-            (naive, method), (ours, _) = (measure(v, mode, device) for v in VARIANTS)
-            rows.append(f"{mode:<10} {naive:>10.0f} {ours:>15.0f} {naive / ours:>7.1f}x")
-        print(f"\n{method}\n{'mode':<10} {'naive MiB':>10} {'posttrain MiB':>15} {'ratio':>8}", *rows, sep="\n")
-    print(f"\nmax |naive - posttrain| log-prob over response tokens: {max_abs_diff(args):.2e}")
+            n, o = statistics.median(naive["peaks"][mode]), statistics.median(ours["peaks"][mode])
+            print(f"{mode:<10} {n:>10.0f} {o:>15.0f} {n / o:>7.1f}x")
+        diff = (torch.tensor(naive["values"]) - torch.tensor(ours["values"])).abs().max().item()
+        print(f"max |naive - posttrain| log-prob over the response tokens: {diff:.2e}")
 
 
 if __name__ == "__main__":

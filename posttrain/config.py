@@ -31,6 +31,8 @@ class ModelConfig:
     """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
     dtype: str = "float32"
     """Dtype of the weights: float32, bfloat16 or float16."""
+    ref_path: str | None = None
+    """Reference model directory for methods with a KL or a reference (GRPO β > 0, DPO, PPO); null: the start."""
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -168,6 +170,14 @@ class EvalConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    path: str | None = None
+    """Local sequence-classification model directory whose score is added to the rule rewards; null: none."""
+    weight: float = 1.0
+    """Weight of the reward model's score."""
+
+
+@dataclass
 class RunConfig:
     description: str = ""
     """One line saying what the recipe does (shown by `posttrain recipes`)."""
@@ -187,6 +197,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
     """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 def recipes_dir() -> Path:

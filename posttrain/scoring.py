@@ -3,7 +3,7 @@
 One function serves the policy (with gradients), the old policy and the reference (without). It avoids the naive
 `log_softmax(logits.float())` over [B, T, V]: the model's head runs only at the R positions that predict response
 tokens (`logits_to_keep`, which Hugging Face causal LMs accept), and the float32 log-normaliser is computed in
-chunks of rows. Under autograd each chunk is checkpointed, so backward recomputes its float32 logits instead of
+chunks of sequences. Under autograd each chunk is checkpointed, so backward recomputes its float32 logits instead of
 keeping them all alive. The forward still goes through the model's own `__call__`, so wrappers such as DDP see it.
 """
 
@@ -27,9 +27,11 @@ def _accepts_logits_to_keep(forward) -> bool:
 
 
 def _token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[target] in float32, for a chunk of rows: [N, V], [N] -> [N]."""
-    logits = logits.float() / temperature  # [N, V]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log softmax(logits / temperature)[target] in float32: [b, R, V], [b, R] -> [b, R]."""
+    logits = logits.float()  # a copy only when the model runs in lower precision
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def token_logprobs(
@@ -39,7 +41,7 @@ def token_logprobs(
     prompt_len: int,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = 2048,
+    chunk_rows: int = 512,
 ) -> torch.Tensor:
     """Log-probabilities of the response tokens `input_ids[:, prompt_len:]` under `model`.
 
@@ -49,7 +51,7 @@ def token_logprobs(
         attention_mask: [B, T].
         prompt_len: P; the response region is columns P..T-1 (R = T - P columns).
         temperature: logits are divided by it, as when sampling.
-        chunk_rows: rows of [rows, V] float32 logits reduced at a time.
+        chunk_rows: about this many token positions (rows of V logits) are reduced at a time.
 
     Returns:
         [B, R] float32 log-probabilities (padding positions hold finite junk; mask them).
@@ -61,20 +63,19 @@ def token_logprobs(
                   use_cache=False)
     if _accepts_logits_to_keep(inner.forward):
         # Positions P-1 .. T-1 are kept; the last one predicts past the end and is dropped.
-        logits = model(**kwargs, logits_to_keep=R + 1).logits[:, :-1]  # [B, R, V]
+        logits = model(**kwargs, logits_to_keep=R + 1).logits[:, :-1]  # [B, R, V] (a view)
     else:
-        logits = model(**kwargs).logits[:, prompt_len - 1 : -1]  # [B, R, V]
-    V = logits.shape[-1]
-    rows = logits.reshape(B * R, V)  # [B·R, V]
-    targets = input_ids[:, prompt_len:].reshape(B * R)  # [B·R]
+        logits = model(**kwargs).logits[:, prompt_len - 1 : -1]  # [B, R, V] (a view)
+    targets = input_ids[:, prompt_len:]  # [B, R]
+    seqs = max(1, chunk_rows // max(R, 1))  # sequences per chunk; slicing the view copies nothing
     out = []
-    for start in range(0, B * R, chunk_rows):
-        chunk, tgt = rows[start : start + chunk_rows], targets[start : start + chunk_rows]
+    for start in range(0, B, seqs):
+        chunk, tgt = logits[start : start + seqs], targets[start : start + seqs]  # [b, R, V], [b, R]
         if torch.is_grad_enabled() and chunk.requires_grad:
             out.append(checkpoint(_token_logp, chunk, tgt, temperature, use_reentrant=False))
         else:
             out.append(_token_logp(chunk, tgt, temperature))
-    return torch.cat(out).reshape(B, R)  # [B, R]
+    return torch.cat(out)  # [B, R]
 
 
 def naive_token_logprobs(

@@ -24,10 +24,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from posttrain import config as config_mod
-from posttrain import data, rewards, rollout
+from posttrain import data, rewards, sources
 from posttrain.aggregation import Totals, aggregate
 from posttrain.batch import Batch
 from posttrain.config import RunConfig
+from posttrain.critic import token_values
 from posttrain.errors import UserError
 from posttrain.evaluate import evaluate
 from posttrain.outputs import RunDir, write_json
@@ -35,18 +36,18 @@ from posttrain.progress import Progress
 from posttrain.scoring import token_logprobs
 
 
-def load_model(path: str | Path, dtype: str = "float32"):
-    """A causal LM and its tokenizer from a local Hugging Face directory."""
+def load_model(path: str | Path, dtype: str = "float32", key: str = "model.path"):
+    """A causal LM and its tokenizer from a local Hugging Face directory; errors name the config `key`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise UserError(f"model.path: '{path}' is not a Hugging Face model directory (no config.json)")
+        raise UserError(f"{key}: '{path}' is not a Hugging Face model directory (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"model.path: cannot load '{path}' ({str(err).splitlines()[0]})") from None
+        raise UserError(f"{key}: cannot load '{path}' ({str(err).splitlines()[0]})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -63,85 +64,105 @@ def peak_memory_mb() -> dict[str, float]:
 def load_data(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows, with the fields the method reads checked on every row."""
     d = cfg.data
-    online = config_mod.algorithm_of(cfg).source == "online"
-    fields = [d.prompt_field, d.answer_field if online else d.response_field]
+    offline = config_mod.algorithm_of(cfg).source == "offline"
+    fields = [d.prompt_field, d.response_field if offline else d.answer_field]
     return data.load_splits(d, fields, cfg.eval.num_problems)
 
 
 class Engine:
-    """Holds the models, optimizer and data of one run; `step` does one optimizer step's worth of work per epoch."""
+    """Holds the models, optimizers and data source of one run; `step` does one step of the method."""
 
     def __init__(self, cfg: RunConfig, model_path: str | Path, accelerator: Accelerator,
                  splits: tuple[list[dict], list[dict]] | None = None):
-        self.cfg, self.acc = cfg, accelerator
+        from posttrain.warmup import cache_root
+
+        self.cfg, self.acc, self.model_path = cfg, accelerator, Path(model_path)
+        self.cache_dir = cache_root(cfg)
         self.plugin = config_mod.algorithm_of(cfg)
         self.needs = self.plugin.needs(cfg.algorithm)
-        online = self.plugin.source == "online"
         self.train_rows, self.test_rows = splits or load_data(cfg)
         self.sampler = data.RowSampler(self.train_rows, cfg.seed, accelerator.process_index,
                                        accelerator.num_processes)
-        self.reward_fn = rewards.combine(cfg.rewards) if "reward" in self.needs else None
         policy, self.tokenizer = load_model(model_path, cfg.model.dtype)
+        self.reward_fn = self.reward_model = None
+        if "reward" in self.needs:
+            self.reward_fn = rewards.combine(cfg.rewards)
+            if cfg.reward_model.path:
+                from posttrain.rewards.model import RewardModel
+
+                self.reward_model = RewardModel(cfg.reward_model.path, accelerator.device)
         self.ref = None
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
-            self.ref = load_model(model_path, cfg.model.dtype)[0].eval().requires_grad_(False).to(accelerator.device)
+            ref_path = cfg.model.ref_path or model_path
+            self.ref = load_model(ref_path, cfg.model.dtype, "model.ref_path")[0]
+            self.ref.eval().requires_grad_(False).to(accelerator.device)
         t = cfg.train
         optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
         self.policy, self.optimizer, self.scheduler = accelerator.prepare(policy, optimizer, scheduler)
         self.model = accelerator.unwrap_model(self.policy)
-        # Log-probs are scored at the sampling temperature for sampled data, at 1 for offline rows.
-        self.temperature = cfg.rollout.temperature if online else 1.0
-        self.norm = t.loss_agg_norm or float(cfg.rollout.max_new_tokens)
+        self.critic = None
+        if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
+            from posttrain.critic import load_critic
 
-    # -- data -------------------------------------------------------------------------------------------------
-    def make_batch(self) -> tuple[Batch, dict[str, float]]:
-        cfg, tok = self.cfg, self.tokenizer
-        rows = self.sampler.next(cfg.train.batch_size)
-        prompts = data.prompt_ids(tok, rows, cfg.data)
-        stats: dict[str, float] = {}
-        if self.plugin.source == "offline":
-            batch = data.collate(prompts, data.response_ids(tok, rows, cfg.data), tok.pad_token_id)
-        else:
-            n = self.plugin.samples_per_prompt(cfg.algorithm)
-            t0 = time.perf_counter()
-            batch = rollout.sample(self.model, tok, prompts, n, max_new_tokens=cfg.rollout.max_new_tokens,
-                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-            stats["time/rollout"] = time.perf_counter() - t0
-            stats["generated_tokens"] = float(batch.mask.sum())
-            stats["response_len"] = float(batch.mask.sum(-1).mean())
-            stats["truncated_frac"] = float(batch.truncated.float().mean())
-        if self.reward_fn is not None:
-            t0 = time.perf_counter()
-            answers = [str(r[cfg.data.answer_field]) for r in rows for _ in range(len(batch) // len(rows))]
-            total, parts = self.reward_fn(rollout.completions(tok, batch), answers)
-            batch.reward = torch.tensor(total)
-            stats["reward"] = sum(total) / len(total)
-            stats.update({f"reward/{k}": sum(v) / len(v) for k, v in parts.items()})
-            stats["time/reward"] = time.perf_counter() - t0
-        return batch.to(self.acc.device), stats
+            a = cfg.algorithm
+            critic = load_critic(a.critic_path or model_path, cfg.model.dtype, self.tokenizer,
+                                 "algorithm.critic_path" if a.critic_path else "model.path")
+            critic_opt = torch.optim.AdamW(critic.parameters(), lr=a.critic_lr, weight_decay=t.weight_decay)
+            self.critic, self.critic_opt = accelerator.prepare(critic, critic_opt)
+        # Log-probs are scored at the sampling temperature for sampled data, at 1 for fixed rows.
+        self.temperature = cfg.rollout.temperature if self.plugin.source == "online" else 1.0
+        self.mode, self.norm = self.plugin.aggregation(cfg.algorithm) or (
+            t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
+        self.micro = max(self.plugin.unit, t.micro_batch_size // self.plugin.unit * self.plugin.unit)
+        self.source = sources.SOURCES[self.plugin.source](self)
+
+    def judge(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards of completions to `rows` (one row per completion): weighted rule rewards, plus a reward model."""
+        answers = [str(r[self.cfg.data.answer_field]) for r in rows]
+        total, parts = self.reward_fn(completions, answers)
+        if self.reward_model is not None:
+            prompts = [self.cfg.data.template.replace("{prompt}", str(r[self.cfg.data.prompt_field])) for r in rows]
+            parts["model"] = self.reward_model(prompts, completions)
+            total = [t + self.cfg.reward_model.weight * m for t, m in zip(total, parts["model"])]
+        stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}}
+        return torch.tensor(total), stats
 
     @torch.no_grad()
     def score(self, model, batch: Batch) -> torch.Tensor:
         """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
         parts = [token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature)
-                 for mb in batch.split(self.cfg.train.micro_batch_size)]
+                 for mb in batch.split(self.micro)]
         return torch.cat(parts)  # [B, R]
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values of the response positions at sampling time."""
+        return torch.cat([token_values(self.critic, mb.input_ids, mb.attention_mask, mb.prompt_len)
+                          for mb in batch.split(self.micro)])  # [B, R]
 
     # -- update -----------------------------------------------------------------------------------------------
     def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
         cfg, acc = self.cfg, self.acc
-        micro = batch.split(cfg.train.micro_batch_size)
+        micro = batch.split(self.micro)
         loss_sum, metrics = torch.zeros((), device=acc.device), {}
         for i, mb in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else acc.no_sync(self.policy)
-            with sync:
+            with contextlib.ExitStack() as stack:
+                if i < len(micro) - 1:  # gradients are all-reduced once, after the last micro-batch
+                    for model in filter(None, (self.policy, self.critic)):
+                        stack.enter_context(acc.no_sync(model))
                 logp = token_logprobs(self.policy, mb.input_ids, mb.attention_mask, mb.prompt_len,
                                       temperature=self.temperature)  # [b, R]
                 gc, m = self.plugin.coefficient(mb, logp.detach(), cfg.algorithm)  # [b, R]
-                loss = -aggregate(gc.detach() * logp, mb.mask, cfg.train.loss_agg, totals, self.norm)
+                loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 acc.backward(loss * acc.num_processes)  # DDP averages; totals already span every process
+                if self.critic is not None:
+                    values = token_values(self.critic, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R]
+                    per_token, cm = self.plugin.critic_loss(mb, values, cfg.algorithm)  # [b, R]
+                    critic_loss = aggregate(per_token, mb.mask, "token_mean", totals)
+                    acc.backward(critic_loss * acc.num_processes)
+                    m = {**m, **cm, "critic_loss": critic_loss * len(micro)}
             loss_sum += loss.detach()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
@@ -149,31 +170,56 @@ class Engine:
         return metrics
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
-        """One optimizer step on the gradient of the whole batch."""
+        """One optimizer step (policy, and critic if any) on the gradient of the whole batch."""
         metrics = self.accumulate(batch, totals)
-        if self.cfg.train.max_grad_norm > 0:
-            metrics["grad_norm"] = self.acc.clip_grad_norm_(self.policy.parameters(), self.cfg.train.max_grad_norm)
+        max_norm = self.cfg.train.max_grad_norm
+        if max_norm > 0:
+            metrics["grad_norm"] = self.acc.clip_grad_norm_(self.policy.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            if max_norm > 0:
+                metrics["critic_grad_norm"] = self.acc.clip_grad_norm_(self.critic.parameters(), max_norm)
+            self.critic_opt.step()
+            self.critic_opt.zero_grad(set_to_none=True)
         return metrics
+
+    def totals(self, batch: Batch) -> Totals:
+        """Sequences and tokens of `batch` summed over every process: the denominators of its loss."""
+        local = Totals.of(batch.mask)
+        counts = torch.tensor([local.seqs, local.tokens], device=self.acc.device)
+        return Totals(*self.acc.reduce(counts, "sum").tolist())
+
+    def minibatches(self, batch: Batch) -> list[Batch]:
+        """The batch cut into the plugin's number of minibatches, whole units each, shuffled each epoch."""
+        n = self.plugin.minibatches(self.cfg.algorithm)
+        if n == 1:
+            return [batch]
+        unit = self.plugin.unit
+        order = torch.randperm(len(batch) // unit, device=batch.input_ids.device)  # [units]
+        rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
+        size = -(-len(batch) // unit // n) * unit
+        return [batch.select(rows[i : i + size]) for i in range(0, len(batch), size)]
 
     def step(self) -> dict[str, float]:
         t_start = time.perf_counter()
-        batch, stats = self.make_batch()
+        batch, stats = self.source.next()
+        batch = batch.to(self.acc.device)
         t0 = time.perf_counter()
         if self.ref is not None:
             batch.ref_logp = self.score(self.ref, batch)
         if "old_logp" in self.needs:
             batch.old_logp = self.score(self.policy, batch)
+        if self.critic is not None:
+            batch.extra["values"] = self.values(batch)
         stats["time/score"] = time.perf_counter() - t0
         batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
-        counts = torch.tensor([Totals.of(batch.mask).seqs, Totals.of(batch.mask).tokens], device=self.acc.device)
-        totals = Totals(*self.acc.reduce(counts, "sum").tolist())
         t0 = time.perf_counter()
         metrics = dict(prep)
         for _ in range(self.plugin.epochs(self.cfg.algorithm)):
-            metrics.update(self.update(batch, totals))
+            for minibatch in self.minibatches(batch):
+                metrics.update(self.update(minibatch, self.totals(minibatch)))
         stats["time/update"] = time.perf_counter() - t0
         reduced = {k: float(self.acc.reduce(torch.as_tensor(v, device=self.acc.device).float(), "mean"))
                    for k, v in sorted(metrics.items())}

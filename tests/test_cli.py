@@ -36,7 +36,7 @@ def test_recipes_and_help():
 def test_run_writes_outputs_then_refuses_to_overwrite(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     proc = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=2",
-                     *FAST)
+                     "train.save_every=1", *FAST)
     assert proc.returncode == 0, proc.stderr
     assert "held-out accuracy" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -47,6 +47,8 @@ def test_run_writes_outputs_then_refuses_to_overwrite(tiny_model_dir, tmp_path):
     assert "beta: 0.04" in (out / "config.yaml").read_text()
     AutoModelForCausalLM.from_pretrained(out / "model")  # the final model is an ordinary HF directory
     assert (out / "model" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
+    assert not (out.parent / "run.partial").exists()
 
     again = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", *FAST)
     assert_one_line_error(again, "output_dir", "not empty", "overwrite=true")
