@@ -34,3 +34,23 @@ def gsm8k_rows():
     from posttrain.data import read_rows
 
     return read_rows(FIXTURES / "gsm8k" / "test_head.jsonl")
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(tmp_path_factory) -> Path:
+    """A tiny model given a short SFT on easy problems (a±b), so that its samples are sometimes right and sometimes
+    wrong: what RFT and DPO need to build their data."""
+    from posttrain import config
+    from posttrain.embedded import build_model_dir
+    from posttrain.trainer import run
+
+    root = tmp_path_factory.mktemp("warm")
+    init = build_model_dir(root / "init", hidden=64, layers=2, heads=2)
+    cfg, resolved = config.load("sft_math", [f"model.path={init}", f"output_dir={root / 'run'}", "data.difficulty=1",
+                                             "data.train_size=150", "data.test_size=20", "train.steps=120",
+                                             "train.lr=3e-3", "eval.num_problems=0"])
+    run(cfg, resolved, quiet=True)
+    return root / "run" / "model"
+
+
+EASY = ["data.difficulty=1", "data.train_size=150", "data.test_size=20"]
