@@ -31,6 +31,7 @@ from posttrain.config import RunConfig
 from posttrain.critic import token_values
 from posttrain.errors import UserError
 from posttrain.evaluate import evaluate
+from posttrain.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
 from posttrain.outputs import RunDir, write_json
 from posttrain.progress import Progress
 from posttrain.scoring import token_logprobs
@@ -91,11 +92,12 @@ class Engine:
                 from posttrain.rewards.model import RewardModel
 
                 self.reward_model = RewardModel(cfg.reward_model.path, accelerator.device)
-        self.ref = None
+        self.ref = ref_model = None
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
             ref_path = cfg.model.ref_path or model_path
             self.ref = load_model(ref_path, cfg.model.dtype, "model.ref_path")[0]
             self.ref.eval().requires_grad_(False).to(accelerator.device)
+        ref_model = self.ref
         t = cfg.train
         optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (t.warmup_steps + 1)))
@@ -115,7 +117,13 @@ class Engine:
         self.mode, self.norm = self.plugin.aggregation(cfg.algorithm) or (
             t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(self.plugin.unit, t.micro_batch_size // self.plugin.unit * self.plugin.unit)
-        self.source = sources.SOURCES[self.plugin.source](self)
+        self.source = sources.SOURCES[self.plugin.source](self)  # may use the reference once, then free it
+        self.roles, self.phases = RoleBytes(), PhasePeaks()
+        for role, model in (("policy_weights", self.model), ("reference_weights", ref_model),
+                            ("critic_weights", self.critic), ("reward_model_weights", getattr(self.reward_model,
+                                                                                             "model", None))):
+            if model is not None:
+                self.roles.observe(role, tensor_bytes(model.parameters()))
 
     def judge(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of completions to `rows` (one row per completion): weighted rule rewards, plus a reward model."""
@@ -177,11 +185,15 @@ class Engine:
             metrics["grad_norm"] = self.acc.clip_grad_norm_(self.policy.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
+        self.roles.observe("policy_gradients", tensor_bytes(p.grad for p in self.model.parameters()))
+        self.roles.observe("policy_optimizer_state", optimizer_bytes(self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
             if max_norm > 0:
                 metrics["critic_grad_norm"] = self.acc.clip_grad_norm_(self.critic.parameters(), max_norm)
             self.critic_opt.step()
+            self.roles.observe("critic_gradients", tensor_bytes(p.grad for p in self.critic.parameters()))
+            self.roles.observe("critic_optimizer_state", optimizer_bytes(self.critic_opt))
             self.critic_opt.zero_grad(set_to_none=True)
         return metrics
 
@@ -204,22 +216,26 @@ class Engine:
 
     def step(self) -> dict[str, float]:
         t_start = time.perf_counter()
-        batch, stats = self.source.next()
-        batch = batch.to(self.acc.device)
+        with self.phases.phase("rollout"):  # sampling and rewards for online sources; collation otherwise
+            batch, stats = self.source.next()
+            batch = batch.to(self.acc.device)
         t0 = time.perf_counter()
-        if self.ref is not None:
-            batch.ref_logp = self.score(self.ref, batch)
-        if "old_logp" in self.needs:
-            batch.old_logp = self.score(self.policy, batch)
-        if self.critic is not None:
-            batch.extra["values"] = self.values(batch)
+        with self.phases.phase("scoring"):
+            if self.ref is not None:
+                batch.ref_logp = self.score(self.ref, batch)
+            if "old_logp" in self.needs:
+                batch.old_logp = self.score(self.policy, batch)
+            if self.critic is not None:
+                batch.extra["values"] = self.values(batch)
         stats["time/score"] = time.perf_counter() - t0
         batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
+        self.roles.observe("rollout_batch", batch_bytes(batch))
         t0 = time.perf_counter()
         metrics = dict(prep)
-        for _ in range(self.plugin.epochs(self.cfg.algorithm)):
-            for minibatch in self.minibatches(batch):
-                metrics.update(self.update(minibatch, self.totals(minibatch)))
+        with self.phases.phase("update"):
+            for _ in range(self.plugin.epochs(self.cfg.algorithm)):
+                for minibatch in self.minibatches(batch):
+                    metrics.update(self.update(minibatch, self.totals(minibatch)))
         stats["time/update"] = time.perf_counter() - t0
         reduced = {k: float(self.acc.reduce(torch.as_tensor(v, device=self.acc.device).float(), "mean"))
                    for k, v in sorted(metrics.items())}
@@ -283,6 +299,7 @@ def run(cfg: RunConfig, resolved: dict, *, quiet: bool = False) -> dict:
     if main:
         save_model(engine, out / "model")
         summary.update(steps=steps, wall_seconds=time.perf_counter() - t_start, **peak_memory_mb(),
+                       memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
                        output_dir=str(run_dir.final))
         write_json(out / "summary.json", summary)
         run_dir.commit()
