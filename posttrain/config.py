@@ -41,7 +41,7 @@ class ModelConfig:
 
 @dataclass
 class WarmupConfig:
-    steps: int = 400
+    steps: int = 250
     """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy."""
     batch_size: int = 64
     """Problems per warm-up step."""
