@@ -4,6 +4,7 @@
     posttrain config recipe=NAME_OR_PATH [key=value ...]  print the resolved config
     posttrain recipes                                     list the recipes that ship with posttrain
     posttrain estimate model=DIR_OR_PRESET gpus=N ...     per-GPU memory of SFT, DPO, PPO and GRPO
+    posttrain compare RECIPE RECIPE ... [key=value ...]   run recipes on one budget and report them side by side
 
 Exit status: 0 done, 2 bad input (one line naming the culprit), 1 internal error.
 """
@@ -65,6 +66,12 @@ def cmd_estimate(args) -> int:
     return estimate.main(args.settings)
 
 
+def cmd_compare(args) -> int:
+    from posttrain import compare
+
+    return compare.main(args.items)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
                                 "over one shared engine (SFT, GRPO, ...).", epilog=EPILOG)
@@ -89,6 +96,13 @@ def parser() -> argparse.ArgumentParser:
                          "[grad_ckpt=true|false] [dtype=bf16|fp16|fp32] [gpu_mem=80]. See docs/estimate.md.")
     est.add_argument("settings", nargs="*", metavar="key=value")
     est.set_defaults(func=cmd_estimate)
+    cmp = sub.add_parser("compare", help="run several recipes on one budget and compare memory, time and accuracy",
+                         description="Compare recipes: posttrain compare ppo_math grpo_math [steps=N] [eval_every=N] "
+                         "[output_dir=runs/compare] [overwrite=true] [key=value ...]. Each recipe runs in its own "
+                         "process with the same overrides (seed, model, task, step budget); writes compare.md, "
+                         "compare.json and compare.png to output_dir. See docs/compare.md.", epilog=EPILOG)
+    cmp.add_argument("items", nargs="*", metavar="RECIPE ... key=value")
+    cmp.set_defaults(func=cmd_compare)
     return p
 
 
