@@ -43,6 +43,7 @@ import torch
 
 from posttrain.aggregation import masked_mean
 from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.ppo import clipped_coefficient
 from posttrain.batch import Batch
 from posttrain.errors import ConfigError
 
@@ -136,14 +137,7 @@ class GRPO(Algorithm):
         assert batch.adv.shape == (B,) and batch.mask.shape == (B, R), "GRPO expects adv [B] and mask [B, R]"
         adv = batch.adv[:, None]  # [B, 1]
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
-        ratio = torch.exp(logp - old_logp)  # [B, R]
-        high = 1 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
-        # The min picks the unclipped term, which carries the gradient, unless ρ left the trust region on the side
-        # that would increase the objective.
-        unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - cfg.clip_eps)  # [B, R]
-        gc = adv * ratio * unclipped  # [B, R]
-        metrics = {"clip_frac": masked_mean((~unclipped & (adv != 0)).float(), batch.mask),
-                   "ratio": masked_mean(ratio, batch.mask)}
+        gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
         if cfg.beta > 0:
             ref_ratio = torch.exp(batch.ref_logp - logp)  # [B, R] π_ref / πθ
             gc = gc + cfg.beta * (ref_ratio - 1)

@@ -114,6 +114,18 @@ def gae(token_reward, values, mask, gamma: float, lam: float) -> tuple[torch.Ten
     return adv, (adv + values) * mask  # [B, R], [B, R]
 
 
+def clipped_coefficient(adv, logp, old_logp, mask, clip_eps: float, clip_eps_high: float | None):
+    """GC of min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A): A·ρ where the min keeps the unclipped term, else 0 (ρ left the
+    trust region on the side that would raise the objective). `adv` is [B, R], or [B, 1] for GRPO; the rest [B, R].
+    Returns (gc [B, R], {"clip_frac", "ratio"})."""
+    ratio = torch.exp(logp - old_logp)  # [B, R]
+    high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)
+    unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)  # [B, R]
+    gc = adv * ratio * unclipped  # [B, R]
+    metrics = {"clip_frac": masked_mean((~unclipped & (adv != 0)).float(), mask), "ratio": masked_mean(ratio, mask)}
+    return gc, metrics
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x − mean) / std over the positions where `mask` is 1 (population std); [B, R] -> [B, R], 0 outside."""
     mean = masked_mean(x, mask)  # []
@@ -162,15 +174,7 @@ class PPO(Algorithm):
     @staticmethod
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert batch.adv.shape == batch.mask.shape == batch.old_logp.shape == logp.shape, "PPO expects adv [B, R]"
-        adv = batch.adv  # [B, R]
-        ratio = torch.exp(logp - batch.old_logp)  # [B, R]
-        high = 1 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
-        # As in grpo.py: the min drops the gradient once ρ leaves the trust region on the side that would raise J.
-        unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - cfg.clip_eps)  # [B, R]
-        gc = adv * ratio * unclipped  # [B, R]
-        metrics = {"clip_frac": masked_mean((~unclipped & (adv != 0)).float(), batch.mask),
-                   "ratio": masked_mean(ratio, batch.mask)}
-        return gc, metrics
+        return clipped_coefficient(batch.adv, logp, batch.old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)
 
     @staticmethod
     def critic_loss(batch: Batch, values: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
