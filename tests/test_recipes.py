@@ -74,3 +74,24 @@ def test_ppo_critic_with_another_tokenizer(warm_model_dir, tmp_path):
     assert_one_line_error(posttrain("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
                                     f"algorithm.critic_path={other}", f"output_dir={tmp_path / 'o'}", *TINY),
                           "algorithm.critic_path", "different tokenizer")
+
+
+def test_ppo_with_a_reward_model(warm_model_dir, tmp_path):
+    """A local sequence-classification directory scores completions beside the rule reward."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    rm_dir = tmp_path / "rm"
+    cfg = AutoConfig.from_pretrained(warm_model_dir, num_labels=1)
+    LlamaForSequenceClassification(cfg).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(warm_model_dir).save_pretrained(rm_dir)
+    out = tmp_path / "o"
+    proc = posttrain("run", "recipe=ppo_math", f"model.path={warm_model_dir}", f"reward_model.path={rm_dir}",
+                     "reward_model.weight=0.5", f"output_dir={out}", *TINY, *PER_RECIPE["ppo_math"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/model" in metrics and "reward/accuracy" in metrics
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["memory"]["roles_bytes"]["reward_model_weights"] > 0
+    assert_one_line_error(posttrain("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
+                                    f"reward_model.path={tmp_path / 'none'}", f"output_dir={tmp_path / 'x'}", *TINY),
+                          "reward_model.path")
