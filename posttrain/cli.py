@@ -74,7 +74,7 @@ def cmd_compare(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
-                                "over one shared engine (SFT, GRPO, ...).", epilog=EPILOG)
+                                "over one shared engine: SFT, RFT, Online RFT, DPO, PPO, GRPO.", epilog=EPILOG)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train with a recipe", description="Train: posttrain run recipe=grpo_math "
                          "[key=value ...]. Writes config.yaml, metrics.jsonl, summary.json and the final model "
