@@ -94,10 +94,14 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list
     return train, test
 
 
+def prompt_texts(rows: list[dict], cfg: DataConfig) -> list[str]:
+    """Each row's question inside `cfg.template`."""
+    return [cfg.template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
+
+
 def prompt_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:
-    """Token ids of each row's question inside `cfg.template`, cut from the left to `max_prompt_len`."""
-    texts = [cfg.template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
-    return [ids[-cfg.max_prompt_len :] for ids in tokenizer(texts)["input_ids"]]
+    """Token ids of each row's prompt text, cut from the left to `max_prompt_len`."""
+    return [ids[-cfg.max_prompt_len :] for ids in tokenizer(prompt_texts(rows, cfg))["input_ids"]]
 
 
 def response_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:

@@ -72,26 +72,49 @@ def _reset_rss_high_water() -> bool:
 
 
 class PhasePeaks:
-    """Peak memory (MiB) of named phases, the largest over all times a phase ran."""
+    """Peak memory (MiB) of named phases, the largest over all times a phase ran, and of the whole run.
+
+    Resetting the kernel's high-water mark at each phase also resets what `getrusage` reports as the process's peak,
+    so the whole-run peak is kept here: the high-water mark is folded in before every reset and at the end.
+    """
 
     def __init__(self):
         self.cpu_mb: dict[str, float] = {}
         self.cuda_mb: dict[str, float] = {}
+        self.run_cpu_mb = 0.0
+        self.run_cuda_mb = 0.0
+
+    def _high_water(self, resettable: bool) -> tuple[float | None, float | None]:
+        """(peak RSS MiB, peak CUDA allocated MiB) since the last reset; folded into the whole-run peak."""
+        kb = _rss_high_water_kb() if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        cpu = kb / 1024 if kb is not None else None
+        cuda = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        self.run_cpu_mb = max(self.run_cpu_mb, cpu or 0.0)
+        self.run_cuda_mb = max(self.run_cuda_mb, cuda or 0.0)
+        return cpu, cuda
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        self._high_water(_rss_high_water_kb() is not None)  # what happened since the last phase counts for the run
         resettable = _reset_rss_high_water()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         try:
             yield
         finally:
-            kb = _rss_high_water_kb() if resettable else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            if kb is not None:
-                self.cpu_mb[name] = max(self.cpu_mb.get(name, 0.0), kb / 1024)
-            if torch.cuda.is_available():
-                mb = torch.cuda.max_memory_allocated() / 2**20
-                self.cuda_mb[name] = max(self.cuda_mb.get(name, 0.0), mb)
+            cpu, cuda = self._high_water(resettable)
+            if cpu is not None:
+                self.cpu_mb[name] = max(self.cpu_mb.get(name, 0.0), cpu)
+            if cuda is not None:
+                self.cuda_mb[name] = max(self.cuda_mb.get(name, 0.0), cuda)
+
+    def run_peak(self) -> dict[str, float]:
+        """Peak resident memory of the run so far (and peak CUDA memory allocated, on a GPU), in MiB."""
+        self._high_water(_rss_high_water_kb() is not None)
+        out = {"peak_rss_mb": self.run_cpu_mb}
+        if torch.cuda.is_available():
+            out["peak_cuda_allocated_mb"] = self.run_cuda_mb
+        return out
 
     def summary(self) -> dict:
         out = {"cpu_peak_rss_mb": dict(self.cpu_mb)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -52,14 +51,6 @@ def load_model(path: str | Path, dtype: str = "float32", key: str = "model.path"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def peak_memory_mb() -> dict[str, float]:
-    """Peak resident memory of this process (and peak CUDA memory allocated, on a GPU), in MiB."""
-    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if torch.cuda.is_available():
-        out["peak_cuda_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    return out
 
 
 def load_data(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
@@ -130,8 +121,7 @@ class Engine:
         answers = [str(r[self.cfg.data.answer_field]) for r in rows]
         total, parts = self.reward_fn(completions, answers)
         if self.reward_model is not None:
-            prompts = [self.cfg.data.template.replace("{prompt}", str(r[self.cfg.data.prompt_field])) for r in rows]
-            parts["model"] = self.reward_model(prompts, completions)
+            parts["model"] = self.reward_model(data.prompt_texts(rows, self.cfg.data), completions)
             total = [t + self.cfg.reward_model.weight * m for t, m in zip(total, parts["model"])]
         stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}}
         return torch.tensor(total), stats
@@ -298,7 +288,7 @@ def run(cfg: RunConfig, resolved: dict, *, quiet: bool = False) -> dict:
         summary["eval_after"] = engine.evaluate()
     if main:
         save_model(engine, out / "model")
-        summary.update(steps=steps, wall_seconds=time.perf_counter() - t_start, **peak_memory_mb(),
+        summary.update(steps=steps, wall_seconds=time.perf_counter() - t_start, **engine.phases.run_peak(),
                        memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
                        output_dir=str(run_dir.final))
         write_json(out / "summary.json", summary)
