@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.algorithms import Algorithm, register
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 @dataclass

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.aggregation import masked_mean
 from posttrain.algorithms import Algorithm, register
 from posttrain.algorithms.ppo import clipped_coefficient
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.aggregation import masked_mean
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 @dataclass

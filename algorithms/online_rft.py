@@ -25,8 +25,8 @@ import torch
 
 from posttrain.algorithms import Algorithm, register
 from posttrain.algorithms.rft import indicator_coefficient
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 @dataclass

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.aggregation import masked_mean
 from posttrain.algorithms import Algorithm, register
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.aggregation import masked_mean
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 @dataclass
@@ -137,6 +137,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 class PPO(Algorithm):
     Config = PPOConfig
     source = "online"
+    learned_reward = True
 
     @staticmethod
     def needs(cfg: PPOConfig) -> frozenset[str]:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms import Algorithm, register
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 @dataclass

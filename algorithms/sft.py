@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms import Algorithm, register
-from posttrain.batch import Batch
+from posttrain.core.batch import Batch
 
 
 @dataclass

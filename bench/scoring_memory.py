@@ -71,7 +71,7 @@ def build(args, device: str):
 
 
 def score(variant: str, model, input_ids, attention_mask, prompt_len: int, chunk_rows: int) -> torch.Tensor:
-    from posttrain.scoring import naive_token_logprobs, token_logprobs
+    from posttrain.models.scoring import naive_token_logprobs, token_logprobs
 
     if variant == "naive":
         return naive_token_logprobs(model, input_ids, attention_mask, prompt_len)

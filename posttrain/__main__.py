@@ -1,5 +1,5 @@
 import sys
 
-from posttrain.cli import main
+from posttrain.apps.cli import main
 
 sys.exit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from posttrain import algorithms
-from posttrain.aggregation import MODES
-from posttrain.errors import ConfigError
+from posttrain import algorithms, backends, rewards, rollout
+from posttrain.core.aggregation import MODES
+from posttrain.core.errors import ConfigError
 
 
 @dataclass
@@ -95,7 +96,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Sampling engine: hf (transformers generate)."""
+    """Sampling engine (`posttrain.rollout`): hf (transformers generate, colocated with the trainer)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs are scored at the same temperature."""
     top_p: float = 1.0
@@ -104,8 +105,10 @@ class RolloutConfig:
     """Token budget per completion; a completion without EOS by then is truncated."""
 
     def __post_init__(self):
-        if self.engine != "hf":
-            raise ConfigError(f"engine: unknown rollout engine {self.engine!r}; known: hf")
+        try:
+            rollout.get(self.engine)
+        except ConfigError as err:
+            raise ConfigError(str(err).removeprefix("rollout.")) from None
         if self.temperature <= 0:
             raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
@@ -136,8 +139,14 @@ class TrainConfig:
     """Constant L of seq_mean_token_sum_norm (Dr. GRPO); null: rollout.max_new_tokens."""
     save_every: int = 0
     """Write a checkpoint every N steps under output_dir/checkpoints; 0: only the final model."""
+    backend: str = "ddp"
+    """How training is distributed (`posttrain.backends`): ddp (one process, or data parallel under torchrun)."""
 
     def __post_init__(self):
+        try:
+            backends.get(self.backend)
+        except ConfigError as err:
+            raise ConfigError(str(err).removeprefix("train.")) from None
         if self.loss_agg not in MODES:
             raise ConfigError(f"loss_agg: unknown mode {self.loss_agg!r}; known: {', '.join(MODES)}")
         for key in ("steps", "batch_size", "micro_batch_size"):
@@ -198,6 +207,12 @@ class RunConfig:
     rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
     """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    """Where warm-ups and sample sets are cached: warmup.cache_dir, else $POSTTRAIN_CACHE, else ~/.cache/posttrain."""
+    root = cfg.warmup.cache_dir or os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain"
+    return Path(root)
 
 
 def recipes_dir() -> Path:
@@ -306,6 +321,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
         raise ConfigError("algorithm.name: missing; the recipe must name a method, e.g. algorithm.name=grpo")
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    rewards.combine(cfg.rewards)  # unknown reward names and bad weights fail here, with the rest of the config
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"]}
     return cfg, resolved

@@ -1,8 +1,9 @@
 """Rewards: a registry of scoring functions and a weighted combinator.
 
-A reward function takes `(completions, answers)`, one reference answer per completion, and returns one float per
-completion. Recipes name rewards with weights, e.g. `{"accuracy": 1.0, "format": 0.5}`; `combine` turns that mapping
-into one callable that returns the weighted total and each reward's raw scores (logged as metrics).
+A reward function takes `(completions, answers, prompts)`, one reference answer and one prompt text per completion,
+and returns one float per completion. Recipes name rewards with weights, e.g. `{"accuracy": 1.0, "format": 0.5}`;
+`combine` turns that mapping into one callable that returns the weighted total and each reward's raw scores (logged as
+metrics). `posttrain.judge.Judge` is what the rest of posttrain calls: it adds a reward model and the verdicts.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 
-from posttrain.errors import ConfigError
+from posttrain.core.errors import ConfigError
 
-RewardFn = Callable[[Sequence[str], Sequence[str]], list[float]]
+RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]
 REWARDS: dict[str, RewardFn] = {}
 
 
@@ -41,7 +42,7 @@ def get(name: str) -> RewardFn:
 
 def combine(
     weights: Mapping[str, float],
-) -> Callable[[Sequence[str], Sequence[str]], tuple[list[float], dict[str, list[float]]]]:
+) -> Callable[[Sequence[str], Sequence[str], Sequence[str]], tuple[list[float], dict[str, list[float]]]]:
     """A callable giving `(total, parts)`: total[i] = Σ_name weights[name] · parts[name][i].
 
     Args:
@@ -53,15 +54,21 @@ def combine(
     if not weights:
         raise ConfigError("rewards: no reward named; give at least one, e.g. {accuracy: 1.0}")
     # Validate once, here, so a bad recipe fails before the first rollout rather than mid-training.
-    fns = {name: get(name) for name in weights}
+    fns = {}
+    for name in weights:
+        try:
+            fns[name] = get(name)
+        except ConfigError as err:
+            raise ConfigError(f"rewards.{name}: {err}") from None
     for name, w in weights.items():
         # bool is a Real subclass, but `accuracy: true` is a typo for a weight, not a weight.
         if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w):
             raise ConfigError(f"rewards.{name}: weight must be a finite number, got {w!r}")
     scale = {name: float(w) for name, w in weights.items()}
 
-    def score(completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], dict[str, list[float]]]:
-        parts = {name: [float(s) for s in fn(completions, answers)] for name, fn in fns.items()}
+    def score(completions: Sequence[str], answers: Sequence[str],
+              prompts: Sequence[str]) -> tuple[list[float], dict[str, list[float]]]:
+        parts = {name: [float(s) for s in fn(completions, answers, prompts)] for name, fn in fns.items()}
         for name, scores in parts.items():
             if len(scores) != len(completions):
                 raise ValueError(f"reward {name!r} gave {len(scores)} scores for {len(completions)} completions")

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from decimal import Decimal
 from fractions import Fraction
 
-from posttrain.errors import DataError
-
-from . import register
+from posttrain.core.errors import DataError
+from posttrain.rewards import register
 
 # A sign (not when it is a minus between two operands, as in "10-3"), an optional `$`, then digits with either
 # well-formed thousands commas ("1,234") or none, then optional decimals. A trailing "." is never taken.
@@ -69,6 +68,6 @@ def is_correct(completion: str, reference: str) -> bool:
 
 
 @register("accuracy")
-def accuracy(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
-    """1.0 per completion whose final answer equals its reference, else 0.0."""
+def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] = ()) -> list[float]:
+    """1.0 per completion whose final answer equals its reference, else 0.0; the prompts are not needed."""
     return [float(is_correct(c, a)) for c, a in zip(completions, answers, strict=True)]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import register
-from .accuracy import final_match
+from posttrain.rewards import register
+from posttrain.rewards.accuracy import final_match
 
 
 def is_well_formed(completion: str) -> bool:
@@ -21,6 +21,6 @@ def is_well_formed(completion: str) -> bool:
 
 
 @register("format")
-def format_reward(completions: Sequence[str], answers: Sequence[str]) -> list[float]:
+def format_reward(completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] = ()) -> list[float]:
     """1.0 per well-formed completion, else 0.0; `answers` only has its length checked, for the common signature."""
     return [float(is_well_formed(c)) for c, _ in zip(completions, answers, strict=True)]

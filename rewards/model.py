@@ -6,25 +6,15 @@ from pathlib import Path
 
 import torch
 
-from posttrain.errors import UserError
+from posttrain.models.loading import load
 
 
 class RewardModel:
-    """Scores texts with a `AutoModelForSequenceClassification` (one label) and its own tokenizer."""
+    """Scores texts with an `AutoModelForSequenceClassification` (one label) and its own tokenizer."""
 
-    def __init__(self, path: str | Path, device: torch.device | str = "cpu", batch_size: int = 32):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise UserError(f"reward_model.path: '{path}' is not a Hugging Face model directory (no config.json)")
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-        except (OSError, ValueError, KeyError) as err:
-            raise UserError(f"reward_model.path: cannot load '{path}' ({str(err).splitlines()[0]})") from None
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+    def __init__(self, path: str | Path, device: torch.device | str = "cpu", batch_size: int = 32,
+                 dtype: str = "float32"):
+        self.model, self.tokenizer = load(path, "reward_model", dtype=dtype, key="reward_model.path")
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores the last non-pad token
         self.model.eval().requires_grad_(False).to(device)
         self.device, self.batch_size = device, batch_size

@@ -24,7 +24,7 @@ def _private_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised two-layer Llama with the character tokenizer, saved as a HF directory."""
-    from posttrain.embedded import build_model_dir
+    from posttrain.models.embedded import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden=32, layers=2, heads=2)
 
@@ -41,8 +41,8 @@ def warm_model_dir(tmp_path_factory) -> Path:
     """A tiny model given a short SFT on easy problems (a±b), so that its samples are sometimes right and sometimes
     wrong: what RFT and DPO need to build their data."""
     from posttrain import config
-    from posttrain.embedded import build_model_dir
-    from posttrain.trainer import run
+    from posttrain.models.embedded import build_model_dir
+    from posttrain.train import run
 
     root = tmp_path_factory.mktemp("warm")
     init = build_model_dir(root / "init", hidden=64, layers=2, heads=2)

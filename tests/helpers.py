@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.aggregation import aggregate
+from posttrain.core.aggregation import aggregate
 
 
 def written_out_mean(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float = 1.0) -> torch.Tensor:

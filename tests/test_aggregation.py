@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain.aggregation import MODES, Totals, aggregate
+from posttrain.core.aggregation import MODES, Totals, aggregate
 
 
 def test_hand_worked():

@@ -6,9 +6,10 @@ import json
 import pytest
 from test_cli import assert_one_line_error, posttrain
 
-from posttrain import compare, config
-from posttrain.errors import ConfigError, UserError
-from posttrain.estimate import model_spec, state_bytes
+from posttrain import config
+from posttrain.apps import compare
+from posttrain.apps.estimate import model_spec, state_bytes
+from posttrain.core.errors import ConfigError, UserError
 
 FAST = ["eval.num_problems=4", "train.batch_size=2", "rollout.max_new_tokens=6", "data.train_size=100",
         "data.test_size=20"]
@@ -36,19 +37,19 @@ def test_plan_shares_one_budget(tmp_path):
 
 
 def fake_run() -> dict:
-    """Three steps, a warm-up of 10 s built inside the run, evaluation at step 2 and after the last step.
+    """Three steps, a warm-up of 10 s built before the run, evaluation at step 2 and after the last step.
 
     Medians: rollout median(1, 3, 2) = 2, reward 0.1, scoring 0.5, update 2, step 6; other = step − the four phases
     = (0.4, 0.4, 0.5), median 0.4. Throughput: generated 600 tokens / 6 s rollout = 100 tok/s; trained 500 tokens /
-    8 s update = 62.5 tok/s. Wall times lose the 10 s warm-up: 30 → 20 s in all, step 2 at 21 → 11 s.
+    8 s update = 62.5 tok/s. Wall times are the run's own (20 s in all, step 2 at 11 s); the warm-up is reported apart.
     """
     phases = [(1.0, 0.1, 0.5, 2.0, 4.0), (3.0, 0.1, 0.5, 2.0, 6.0), (2.0, 0.3, 0.7, 4.0, 7.5)]
     metrics = [{"step": i + 1, "time/rollout": r, "time/reward": w, "time/score": s, "time/update": u,
                 "time/step": t, "generated_tokens": g, "trained_tokens": n, "reward": rew, "wall_seconds": wall}
                for i, ((r, w, s, u, t), g, n, rew, wall) in enumerate(zip(phases, (100, 200, 300), (100, 150, 250),
-                                                                         (0.2, 0.4, 0.6), (15, 21, 28)))]
+                                                                         (0.2, 0.4, 0.6), (5, 11, 18)))]
     metrics[1]["eval_accuracy"] = 0.5
-    summary = {"algorithm": "grpo", "steps": 3, "wall_seconds": 30.0, "peak_rss_mb": 500.0,
+    summary = {"algorithm": "grpo", "steps": 3, "wall_seconds": 20.0, "peak_rss_mb": 500.0,
                "warmup": {"cached": False, "seconds": 10.0, "path": "/nonexistent"},
                "eval_before": {"accuracy": 0.25, "num_problems": 4},
                "eval_after": {"accuracy": 0.75, "num_problems": 4},
@@ -64,7 +65,8 @@ def test_numbers_of_a_run():
     assert run["time_median_s"] == pytest.approx({"rollout": 2.0, "reward": 0.1, "scoring": 0.5, "update": 2.0,
                                                   "other": 0.4, "step": 6.0})
     assert run["throughput"] == pytest.approx({"generated_tokens_per_s": 100.0, "trained_tokens_per_s": 62.5})
-    assert run["wall_seconds"] == 20.0 and run["estimated_roles_bytes"] is None  # the model directory is gone
+    assert run["wall_seconds"] == 20.0 and run["warmup_seconds"] == 10.0
+    assert run["estimated_roles_bytes"] is None  # the model directory is gone
     acc = [(p["step"], p["wall_seconds"], p["eval_accuracy"]) for p in run["curve"] if "eval_accuracy" in p]
     assert acc == [(0, 0.0, 0.25), (2, 11, 0.5), (3, 18, 0.75)]  # the final evaluation lands on the last step
     assert compare._curve_cells(run) == {0: "0.250 at 0.0 s", 2: "0.500 at 11.0 s, reward 0.300",
@@ -134,8 +136,8 @@ def test_estimator_agrees_with_measured_roles(tmp_path, size):
     """One PPO step in fp32 (policy, reference, critic): the estimator's weights, gradients and AdamW moments are
     within 10% of the bytes measured per role. torch's AdamW adds a 4-byte step per tensor, the critic has a 1-output
     head instead of the tied lm_head; both are far below 10%."""
-    from posttrain.embedded import build_model_dir
-    from posttrain.trainer import run
+    from posttrain.models.embedded import build_model_dir
+    from posttrain.train import run
 
     model = build_model_dir(tmp_path / "model", **size)
     spec = model_spec(str(model))

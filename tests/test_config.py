@@ -3,7 +3,7 @@
 import pytest
 
 from posttrain import config
-from posttrain.errors import ConfigError
+from posttrain.core.errors import ConfigError
 
 
 def test_every_shipped_recipe_validates_and_opens_with_its_command():

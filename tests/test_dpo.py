@@ -8,8 +8,8 @@ from helpers import objective_grad, surrogate_grad
 
 from posttrain.algorithms import get
 from posttrain.algorithms.dpo import DPO, DPOConfig  # importing the module registers "dpo"
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 def make_batch(mask, ref_logp):

@@ -5,7 +5,7 @@ import re
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.embedded import make_problem, task_splits
+from posttrain.data.embedded import make_problem, task_splits
 from posttrain.rewards.accuracy import extract_answer
 
 

@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
-from accelerate import Accelerator
 
-from posttrain import config, rollout
-from posttrain.aggregation import MODES, Totals
-from posttrain.trainer import Engine, run
+from posttrain import config
+from posttrain.backends.ddp import DDP
+from posttrain.core.aggregation import MODES, Totals
+from posttrain.data import run_splits
+from posttrain.train import Engine, run
 
 
 def make_cfg(model_dir, tmp_path, *overrides):
@@ -19,31 +20,54 @@ def make_cfg(model_dir, tmp_path, *overrides):
     return cfg, resolved
 
 
+def make_engine(cfg, model_dir):
+    return Engine(cfg, model_dir, DDP(), run_splits(cfg))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_invariant_to_micro_batches(tiny_model_dir, tmp_path, mode):
-    """Groups of 4 split across micro-batches of 3 give the gradient of the whole batch at once."""
+    """Groups of 4 split across micro-batches of 3 (3 backward passes) give the gradient of the whole batch at once
+    (1 backward pass)."""
     cfg, _ = make_cfg(tiny_model_dir, tmp_path, f"train.loss_agg={mode}", "algorithm.beta=0.1")
-    engine = Engine(cfg, tiny_model_dir, Accelerator(cpu=True))
+    engine = make_engine(cfg, tiny_model_dir)
     torch.manual_seed(0)
-    batch = rollout.sample(engine.model, engine.tokenizer, [[5, 6, 7], [8, 9]], 4, max_new_tokens=6)
+    batch = engine.rollout.generate([[5, 6, 7], [8, 9]], 4, max_new_tokens=6)
     batch.reward = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
     batch.ref_logp = engine.score(engine.ref, batch) + 0.1 * torch.randn(batch.mask.shape)
     batch, _ = engine.plugin.prepare(batch, cfg.algorithm)
-    grads = []
+    backward, calls = engine.backend.backward, []
+    engine.backend.backward = lambda loss: (calls.append(1), backward(loss))
+    grads, passes = [], []
     for micro in (8, 3):
-        engine.cfg.train.micro_batch_size = micro
-        engine.optimizer.zero_grad()
+        engine.micro = micro
+        calls.clear()
         engine.accumulate(batch, Totals.of(batch.mask))
-        grads.append(torch.cat([p.grad.flatten() for p in engine.model.parameters()]))
+        passes.append(len(calls))
+        grads.append(torch.cat([p.grad.flatten() for p in engine.policy.module.parameters()]))
+        engine.policy.optimizer.zero_grad(set_to_none=True)
+    assert passes == [1, 3]  # the split really changed
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
 def test_reference_loaded_only_when_asked(tiny_model_dir, tmp_path):
-    assert Engine(make_cfg(tiny_model_dir, tmp_path, "algorithm.beta=0")[0], tiny_model_dir,
-                  Accelerator(cpu=True)).ref is None
-    assert Engine(make_cfg(tiny_model_dir, tmp_path, "algorithm.beta=0.1")[0], tiny_model_dir,
-                  Accelerator(cpu=True)).ref is not None
+    assert make_engine(make_cfg(tiny_model_dir, tmp_path, "algorithm.beta=0")[0], tiny_model_dir).ref is None
+    assert make_engine(make_cfg(tiny_model_dir, tmp_path, "algorithm.beta=0.1")[0], tiny_model_dir).ref is not None
+
+
+def test_metrics_average_every_update(tiny_model_dir, tmp_path):
+    """PPO takes ppo_epochs × num_minibatches = 4 updates a step: the step's metrics are their mean, not the last's."""
+    cfg, _ = config.load("ppo_math", [f"model.path={tiny_model_dir}", "train.batch_size=4", "rollout.max_new_tokens=6",
+                                      "data.train_size=200", "data.test_size=20", "train.lr=1e-2"])
+    engine = make_engine(cfg, tiny_model_dir)
+    seen = []
+    update = engine.update
+    engine.update = lambda b, t: seen.append(update(b, t)) or seen[-1]
+    torch.manual_seed(0)
+    metrics = engine.step()
+    assert len(seen) == 4 and len({float(u["ratio"]) for u in seen}) > 1
+    for key in ("loss", "ratio", "grad_norm", "value_error", "critic_loss"):
+        assert metrics[key] == pytest.approx(sum(float(u[key]) for u in seen) / 4, rel=1e-5)
 
 
 def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):

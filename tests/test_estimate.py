@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from posttrain.errors import UserError
-from posttrain.estimate import (
+from posttrain.apps.estimate import (
     PRESETS,
     ModelSpec,
     activation_bytes,
@@ -23,6 +22,7 @@ from posttrain.estimate import (
     render,
     state_bytes,
 )
+from posttrain.core.errors import UserError
 
 TINY = ModelSpec("tiny", hidden=16, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=50, tied=False)
 B7 = ModelSpec("7b", 4096, 32, 32, 32, 11008, 32000, False, params_override=7_000_000_000)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
-from posttrain.aggregation import MODES
 from posttrain.algorithms import get
 from posttrain.algorithms.grpo import GRPOConfig, group_advantages
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.aggregation import MODES
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 GRPO = get("grpo")
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
-from posttrain.aggregation import MODES, aggregate, masked_mean
 from posttrain.algorithms import ppo
 from posttrain.algorithms.ppo import PPO, PPOConfig, gae, kl_reward, whiten
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.aggregation import MODES, aggregate, masked_mean
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 LENGTHS = [3, 5, 1, 4, 0, 2]  # response lengths per row, one of them empty (a filtered sample)
 

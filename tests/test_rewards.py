@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain import rewards
-from posttrain.errors import ConfigError, DataError
+from posttrain.core.errors import ConfigError, DataError
 from posttrain.rewards.accuracy import accuracy, extract_answer, is_correct
 from posttrain.rewards.format import format_reward
 
@@ -124,14 +124,14 @@ def test_combine_weighted_sum():
     "#### 8": acc 0, fmt 1 -> 0.5. "seven": acc 0, fmt 0 -> 0.0.
     """
     score = rewards.combine({"accuracy": 1.0, "format": 0.5})
-    total, parts = score(["#### 7", "#### 7 apples", "#### 8", "seven"], ["7"] * 4)
+    total, parts = score(["#### 7", "#### 7 apples", "#### 8", "seven"], ["7"] * 4, ["Q: 3+4"] * 4)
     assert total == [1.5, 1.0, 0.5, 0.0]
     assert parts == {"accuracy": [1.0, 1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0, 0.0]}
 
 
 def test_combine_negative_weight_is_a_penalty():
     """Format weight -0.25 on "#### 8" (acc 0, fmt 1) with reference 7: 0 - 0.25 = -0.25."""
-    total, _ = rewards.combine({"accuracy": 1.0, "format": -0.25})(["#### 8"], ["7"])
+    total, _ = rewards.combine({"accuracy": 1.0, "format": -0.25})(["#### 8"], ["7"], ["Q: 3+4"])
     assert total == [-0.25]
 
 

@@ -4,12 +4,12 @@ import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
-from posttrain.aggregation import MODES
 from posttrain.algorithms import get
 from posttrain.algorithms.online_rft import OnlineRFTConfig
 from posttrain.algorithms.rft import RFTConfig
-from posttrain.batch import Batch
-from posttrain.errors import ConfigError
+from posttrain.core.aggregation import MODES
+from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 
 def batch_with(reward, mask):

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from posttrain.data import collate
-from posttrain.scoring import naive_token_logprobs, token_logprobs
-from posttrain.trainer import load_model
+from posttrain.core.batch import collate
+from posttrain.models.loading import load
+from posttrain.models.scoring import naive_token_logprobs, token_logprobs
 
 
 @pytest.fixture(scope="module")
 def model_and_batch(tiny_model_dir):
-    model, tok = load_model(tiny_model_dir)
+    model, tok = load(tiny_model_dir)
     prompts = [tok(t)["input_ids"] for t in ["Q: 1+2\nA: ", "Q: 7\nA: ", "Q: 12-3+4\nA: "]]  # left padding varies
     responses = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in ["3", "#### 7", "9+4"]]
     return model, collate(prompts, responses, tok.pad_token_id)

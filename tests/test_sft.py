@@ -4,10 +4,10 @@ import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
-from posttrain.aggregation import MODES
 from posttrain.algorithms import get
 from posttrain.algorithms.sft import SFTConfig
-from posttrain.batch import Batch
+from posttrain.core.aggregation import MODES
+from posttrain.core.batch import Batch
 
 SFT = get("sft")
 

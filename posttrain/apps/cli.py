@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from posttrain.errors import UserError
+from posttrain.core.errors import UserError
 
 EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.steps=50 rollout.temperature=0.7;
 `posttrain config recipe=NAME` shows every key with its value. Exit status: 0 done, 2 bad input, 1 internal error."""
@@ -48,11 +48,29 @@ def cmd_config(args) -> int:
     return 0
 
 
+def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
+    """`posttrain run`: refuses a non-empty output_dir and bad data first, warms the embedded model up when no model
+    is given (cached), then trains. Returns the summary on the main process, None on the others."""
+    from posttrain.apps import warmup
+    from posttrain.data import run_splits
+    from posttrain.train import run
+    from posttrain.train.rundir import RunDir
+
+    RunDir(cfg.output_dir, cfg.overwrite)
+    splits, summary = run_splits(cfg), {}
+    model_path = cfg.model.path
+    if model_path is None:
+        model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
+    return run(cfg, resolved, model_path=model_path, splits=splits, summary=summary, quiet=quiet)
+
+
 def cmd_run(args) -> int:
-    from posttrain import config, trainer
+    from posttrain import config
 
     cfg, resolved = config.load(*_split_recipe(args.overrides))
-    summary = trainer.run(cfg, resolved, quiet=args.quiet)
+    summary = train(cfg, resolved, quiet=args.quiet)
+    if summary is None:  # not the main process: it prints nothing
+        return 0
     if "eval_before" in summary:
         print(f"held-out accuracy: {summary['eval_before']['accuracy']:.3f} -> {summary['eval_after']['accuracy']:.3f}"
               f" ({summary['eval_before']['num_problems']} problems, greedy)")
@@ -61,13 +79,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from posttrain import estimate
+    from posttrain.apps import estimate
 
     return estimate.main(args.settings)
 
 
 def cmd_compare(args) -> int:
-    from posttrain import compare
+    from posttrain.apps import compare
 
     return compare.main(args.items)
 

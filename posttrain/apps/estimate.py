@@ -37,7 +37,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from posttrain.errors import UserError
+from posttrain.core.errors import UserError
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from posttrain.errors import ConfigError
+from posttrain.core.errors import ConfigError
 
 
 class RunDir:

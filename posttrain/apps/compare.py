@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain import config
-from posttrain.errors import ConfigError, UserError
+from posttrain.core.errors import ConfigError, UserError
 
 OWN_KEYS = ("output_dir", "overwrite", "steps", "eval_every")
 ROLES = {  # role in summary.json -> label, in report order
@@ -207,7 +207,7 @@ def estimated_roles(resolved: dict, summary: dict) -> dict[str, int] | None:
     """What `posttrain.estimate.state_bytes` predicts for each model-state role the run measured; None when it
     cannot say like for like: weights not fp32 (torch's AdamW keeps moments in the weights' dtype, the estimator in
     fp32) or a model directory that is gone."""
-    from posttrain.estimate import model_spec, state_bytes
+    from posttrain.apps.estimate import model_spec, state_bytes
 
     model = resolved["model"]["path"] or (summary.get("warmup") or {}).get("path")
     if resolved["model"]["dtype"] != "float32" or not model:
@@ -230,7 +230,7 @@ def estimated_roles(resolved: dict, summary: dict) -> dict[str, int] | None:
 
 def numbers(summary: dict, metrics: list[dict], resolved: dict) -> dict:
     """Everything the report shows for one run, from its summary.json, metrics.jsonl and config.yaml."""
-    warm = (summary.get("warmup") or {}).get("seconds", 0.0)  # a warm-up built in this run is not the method's time
+    warm = (summary.get("warmup") or {}).get("seconds", 0.0)  # a warm-up built before the run: not in its wall time
     medians = {phase: _median(metrics, key) for phase, key in PHASES.items()}
     medians["other"] = statistics.median([m["time/step"] - sum(m.get(k, 0.0) for k in PHASES.values())
                                           for m in metrics]) if metrics else None
@@ -238,7 +238,7 @@ def numbers(summary: dict, metrics: list[dict], resolved: dict) -> dict:
     before, after = (summary.get(k, {}).get("accuracy") for k in ("eval_before", "eval_after"))
     curve = [{"step": 0, "wall_seconds": 0.0, "eval_accuracy": before}] if before is not None else []
     for m in metrics:
-        point = {"step": m["step"], "wall_seconds": m["wall_seconds"] - warm, "reward": m.get("reward")}
+        point = {"step": m["step"], "wall_seconds": m["wall_seconds"], "reward": m.get("reward")}
         if "eval_accuracy" in m:
             point["eval_accuracy"] = m["eval_accuracy"]
         curve.append(point)
@@ -247,7 +247,7 @@ def numbers(summary: dict, metrics: list[dict], resolved: dict) -> dict:
     mem = summary.get("memory", {})
     return {
         "algorithm": summary.get("algorithm"), "steps": summary.get("steps"),
-        "wall_seconds": summary["wall_seconds"] - warm, "warmup_seconds": warm,
+        "wall_seconds": summary["wall_seconds"], "warmup_seconds": warm,
         "accuracy_before": before, "accuracy_after": after,
         "eval_problems": summary.get("eval_before", {}).get("num_problems"),
         "memory": {"roles_bytes": mem.get("roles_bytes", {}), "cpu_peak_rss_mb": mem.get("cpu_peak_rss_mb", {}),

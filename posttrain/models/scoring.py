@@ -1,4 +1,5 @@
-"""The shared per-token scoring engine: log πθ(o_t | q, o_<t) for the response tokens of a padded batch.
+"""The shared per-token scoring engine: log πθ(o_t | q, o_<t) for the response tokens of a padded batch, and the
+critic's values V(q, o_<t) at the same positions.
 
 One function serves the policy (with gradients), the old policy and the reference (without). It avoids the naive
 `log_softmax(logits.float())` over [B, T, V]: the model's head runs only at the R positions that predict response
@@ -87,3 +88,12 @@ def naive_token_logprobs(
                    use_cache=False).logits  # [B, T, V]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)[:, prompt_len - 1 : -1]  # [B, R, V]
     return logp.gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1)  # [B, R]
+
+
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """V of the state before each response token, at the positions whose log-probs are scored: [B, T] -> [B, R].
+
+    The critic is a token-classification model with one output (`posttrain.models.loading`, kind "critic").
+    """
+    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+    return out.logits[:, prompt_len - 1 : -1, 0].float()  # [B, R]

@@ -2,7 +2,7 @@
 
 Layout: prompts are left-padded to P columns and responses right-padded to R columns, so every response starts at
 column P of `input_ids` and the response region is `input_ids[:, P:]`. Per-token tensors (`mask`, `logp`, `old_logp`,
-`ref_logp`, ...) cover that region only: [B, R].
+`ref_logp`, ...) cover that region only: [B, R]. `left_pad` and `collate` build that layout from token ids.
 """
 
 from __future__ import annotations
@@ -54,3 +54,27 @@ class Batch:
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of at most `size` rows (micro-batches)."""
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: ([B, P] ids, [B, P] attention mask)."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p) :] = 1
+    return ids, mask
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+    """Left-pads prompts to P and right-pads responses to R; `mask` marks the response tokens."""
+    prompt, prompt_mask = left_pad(prompts, pad_id)  # [B, P]
+    R = max(map(len, responses))
+    response = torch.full((len(responses), R), pad_id, dtype=torch.long)  # [B, R]
+    mask = torch.zeros((len(responses), R))  # [B, R]
+    for i, r in enumerate(responses):
+        response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return Batch(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+                 mask=mask, prompt_len=prompt.shape[1])

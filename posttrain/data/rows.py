@@ -1,4 +1,4 @@
-"""Data sources: rows from a file, a `datasets` object or the embedded task, turned into padded `Batch`es.
+"""Rows: read from a file, a `datasets` object or the embedded task, checked, split, drawn, and tokenised.
 
 Offline methods train on (prompt, response) rows; online methods take prompts from the same rows and sample the
 responses (`posttrain.rollout`). A row is a dict; the config names the fields that hold the question, the target
@@ -12,12 +12,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from posttrain import embedded
-from posttrain.batch import Batch
-from posttrain.config import DataConfig
-from posttrain.errors import DataError
+from posttrain.config import DataConfig, RunConfig, algorithm_of
+from posttrain.core.errors import DataError
+from posttrain.data import embedded
 
 
 def read_rows(source: Any, key: str = "data.path") -> list[dict]:
@@ -94,6 +91,13 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list
     return train, test
 
 
+def run_splits(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
+    """A run's training and held-out rows, with the fields its method reads checked on every row."""
+    d = cfg.data
+    offline = algorithm_of(cfg).source == "offline"
+    return load_splits(d, [d.prompt_field, d.response_field if offline else d.answer_field], cfg.eval.num_problems)
+
+
 def prompt_texts(rows: list[dict], cfg: DataConfig) -> list[str]:
     """Each row's question inside `cfg.template`."""
     return [cfg.template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
@@ -111,28 +115,9 @@ def response_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]
     return [ids[: cfg.max_response_len - 1] + [tokenizer.eos_token_id] for ids in encoded]
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts left-padded to the longest: ([B, P] ids, [B, P] attention mask)."""
-    P = max(map(len, prompts))
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, P - len(p) :] = 1
-    return ids, mask
-
-
-def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
-    """Left-pads prompts to P and right-pads responses to R; `mask` marks the response tokens."""
-    prompt, prompt_mask = left_pad(prompts, pad_id)  # [B, P]
-    R = max(map(len, responses))
-    response = torch.full((len(responses), R), pad_id, dtype=torch.long)  # [B, R]
-    mask = torch.zeros((len(responses), R))  # [B, R]
-    for i, r in enumerate(responses):
-        response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return Batch(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
-                 mask=mask, prompt_len=prompt.shape[1])
+def completion_texts(tokenizer, batch) -> list[str]:
+    """The text of each sampled response of `batch`, without padding or stop tokens."""
+    return tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
 
 
 class RowSampler:

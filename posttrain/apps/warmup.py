@@ -10,22 +10,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from posttrain import embedded
 from posttrain.algorithms.sft import SFTConfig
-from posttrain.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig
+from posttrain.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
+from posttrain.models.embedded import build_model_dir
+from posttrain.train import run
 
 VERSION = 1  # bump when the embedded model or task changes, so stale caches are not reused
-
-
-def cache_root(cfg: RunConfig) -> Path:
-    root = cfg.warmup.cache_dir or os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain"
-    return Path(root)
 
 
 def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
@@ -44,8 +39,6 @@ def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
 
 def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     """The warmed-up model directory for `cfg`, trained now if it is not cached. Returns (path, info)."""
-    from posttrain.trainer import run
-
     w, d = cfg.warmup, cfg.data
     key_fields = {"version": VERSION, "warmup": {k: v for k, v in dataclasses.asdict(w).items() if k != "cache_dir"},
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
@@ -58,6 +51,6 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
               file=sys.stderr)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        init = embedded.build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
+        init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
         run(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}

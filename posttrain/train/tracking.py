@@ -1,8 +1,12 @@
-"""The progress bar: step, reward, KL, loss and tokens/s, on the terminal (stderr) of the main process."""
+"""Tracking a run: one JSON object per step in metrics.jsonl, and a progress bar (step, reward, KL, loss, tokens/s)
+on the terminal (stderr). Only the main process tracks; the others pass `path=None` and show nothing.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -40,3 +44,35 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self.live:
             self.bar.stop()
+
+
+class Tracker:
+    """Writes each step's metrics to `path` (flushed per step) and shows them on the progress bar.
+
+    Args:
+        path: metrics.jsonl, or None on processes that do not track.
+        total: steps of the run.
+        show: whether to show progress (off with --quiet).
+    """
+
+    def __init__(self, path: Path | None, total: int, show: bool):
+        self.path = path
+        self.progress = Progress(total, enabled=path is not None and show)
+        self.file = None
+
+    def __enter__(self) -> Tracker:
+        if self.path is not None:
+            self.file = open(self.path, "w")
+        self.progress.__enter__()
+        return self
+
+    def log(self, metrics: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(metrics) + "\n")
+            self.file.flush()
+        self.progress.update(metrics)
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+        if self.file is not None:
+            self.file.close()

@@ -1,4 +1,5 @@
-"""Measured memory: bytes held by each role (weights, gradients, optimizer state, ...) and peak memory per phase.
+"""Measured memory and time: bytes held by each role (weights, gradients, optimizer state, ...), and the peak
+memory and duration of each phase of a step.
 
 Roles are counted from the tensors themselves (numel × element size, each storage once), so they are exact and
 comparable with `posttrain.estimate`. Phase peaks are the process's peak resident memory on CPU (the kernel's
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,7 +74,8 @@ def _reset_rss_high_water() -> bool:
 
 
 class PhasePeaks:
-    """Peak memory (MiB) of named phases, the largest over all times a phase ran, and of the whole run.
+    """Peak memory (MiB) of named phases, the largest over all times a phase ran, and of the whole run; and how long
+    each phase took the last time it ran (`seconds`), so a phase is timed once.
 
     Resetting the kernel's high-water mark at each phase also resets what `getrusage` reports as the process's peak,
     so the whole-run peak is kept here: the high-water mark is folded in before every reset and at the end.
@@ -83,6 +86,7 @@ class PhasePeaks:
         self.cuda_mb: dict[str, float] = {}
         self.run_cpu_mb = 0.0
         self.run_cuda_mb = 0.0
+        self.seconds: dict[str, float] = {}
 
     def _high_water(self, resettable: bool) -> tuple[float | None, float | None]:
         """(peak RSS MiB, peak CUDA allocated MiB) since the last reset; folded into the whole-run peak."""
@@ -99,9 +103,11 @@ class PhasePeaks:
         resettable = _reset_rss_high_water()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
         try:
             yield
         finally:
+            self.seconds[name] = time.perf_counter() - start
             cpu, cuda = self._high_water(resettable)
             if cpu is not None:
                 self.cpu_mb[name] = max(self.cpu_mb.get(name, 0.0), cpu)

@@ -1,0 +1,72 @@
+"""Data parallel through accelerate: one process by default, DDP when launched with several (torchrun).
+
+Every process holds the whole model, its gradients and its AdamW state. DDP averages gradients over processes; the
+engine's losses are already divided by the token and sequence counts of the whole step across processes, so
+`backward` multiplies by the process count to turn that average back into the sum, and the update does not depend on
+how a batch is split over processes or micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from posttrain.backends import Backend, Trained, register
+
+
+@register("ddp")
+class DDP(Backend):
+    def __init__(self):
+        from accelerate import Accelerator
+
+        self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        self.device, self.rank, self.world_size = self.acc.device, self.acc.process_index, self.acc.num_processes
+
+    def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        if warmup_steps is None:
+            return Trained(*self.acc.prepare(model, optimizer))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+        return Trained(*self.acc.prepare(model, optimizer, scheduler))
+
+    def freeze(self, model):
+        return model.eval().requires_grad_(False).to(self.device)
+
+    @contextlib.contextmanager
+    def accumulating(self, trained, sync):
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for t in trained:
+                    stack.enter_context(self.acc.no_sync(t.module))
+            yield
+
+    def backward(self, loss):
+        self.acc.backward(loss * self.world_size)
+
+    def step(self, trained, max_grad_norm):
+        norm = self.acc.clip_grad_norm_(trained.module.parameters(), max_grad_norm) if max_grad_norm > 0 else None
+        trained.optimizer.step()
+        if trained.scheduler is not None:
+            trained.scheduler.step()
+        trained.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def reduce(self, tensor, op):
+        return self.acc.reduce(tensor, op)
+
+    def barrier(self):
+        self.acc.wait_for_everyone()
+
+    def generation_model(self, trained):
+        return self.acc.unwrap_model(trained.module)
+
+    def weights(self, trained) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.generation_model(trained).named_parameters()
+
+    def save(self, trained, tokenizer, path: Path):
+        if self.is_main:  # every process holds the same weights
+            self.generation_model(trained).save_pretrained(path, safe_serialization=True)
+            tokenizer.save_pretrained(path)

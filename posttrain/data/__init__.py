@@ -1,0 +1,16 @@
+"""Data: rows from local files or the embedded task, the train/held-out split, seeded draws, and token ids."""
+
+from posttrain.data.rows import (
+    RowSampler,
+    check_fields,
+    completion_texts,
+    load_splits,
+    prompt_ids,
+    prompt_texts,
+    read_rows,
+    response_ids,
+    run_splits,
+)
+
+__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows", "response_ids",
+           "run_splits"]

@@ -1,0 +1,64 @@
+"""The judge: the one place that turns (rows, completions) into rewards and verdicts.
+
+Training (the online source), the sample-once sources (RFT keeps correct samples, DPO pairs a correct with an
+incorrect one) and held-out evaluation all ask it, so "reward" and "correct" mean the same everywhere:
+
+- `score` is what the policy is trained on: the weighted rule rewards of `rewards`, plus a reward model's score
+  times `reward_model.weight` when one is configured;
+- `correct` is the task's verdict: the accuracy rule on the row's reference answer. Evaluation reports it, and RFT
+  and DPO filter on it, whatever rewards the run trains with.
+
+Reward functions see the completion, the reference answer and the prompt text of each sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain import rewards
+from posttrain.config import DataConfig, RunConfig
+from posttrain.data import prompt_texts
+from posttrain.rewards.accuracy import accuracy
+
+
+class Judge:
+    """Rewards and verdicts for completions, one row per completion.
+
+    Args:
+        data: the field mapping (`answer_field`, `prompt_field`) and prompt template.
+        weights: rule reward name -> weight (`rewards` in the config).
+        reward_model: a callable (prompts, completions) -> scores, or None.
+        reward_model_weight: its weight in the total.
+    """
+
+    def __init__(self, data: DataConfig, weights: dict[str, float], reward_model=None,
+                 reward_model_weight: float = 1.0):
+        self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
+        self.rules = rewards.combine(weights)
+
+    def answers(self, rows: list[dict]) -> list[str]:
+        return [str(r[self.data.answer_field]) for r in rows]
+
+    def score(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """([B] total reward, {"reward", "reward/<name>": mean of each part}) for completions of `rows`."""
+        prompts = prompt_texts(rows, self.data)
+        total, parts = self.rules(completions, self.answers(rows), prompts)
+        if self.reward_model is not None:
+            parts["model"] = self.reward_model(prompts, completions)
+            total = [t + self.reward_model_weight * m for t, m in zip(total, parts["model"])]
+        stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}}
+        return torch.tensor(total), stats
+
+    def correct(self, rows: list[dict], completions: list[str]) -> list[bool]:
+        """The accuracy rule's verdict for each completion of `rows`."""
+        return [c == 1.0 for c in accuracy(completions, self.answers(rows))]
+
+
+def build(cfg: RunConfig, device, *, with_reward_model: bool) -> Judge:
+    """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards."""
+    model = None
+    if with_reward_model and cfg.reward_model.path:
+        from posttrain.rewards.model import RewardModel
+
+        model = RewardModel(cfg.reward_model.path, device, dtype=cfg.model.dtype)
+    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight)

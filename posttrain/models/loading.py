@@ -1,0 +1,76 @@
+"""The one model loader: policy, reference, critic and reward model all come from a local Hugging Face directory.
+
+A role is a head on the same kind of checkpoint: the policy and the reference are causal LMs, the critic is a
+token-classification model with one output per position (by default the policy's own weights with a new scalar head),
+and the reward model a sequence-classification model with one output. Every error names the config key that pointed
+at the directory, so the CLI can print it as one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from posttrain.core.errors import UserError
+
+HEADS = {  # role kind -> (transformers Auto class, keyword arguments)
+    "causal_lm": ("AutoModelForCausalLM", {}),
+    "critic": ("AutoModelForTokenClassification", {"num_labels": 1}),
+    "reward_model": ("AutoModelForSequenceClassification", {"num_labels": 1}),
+}
+
+
+def load_tokenizer(path: str | Path, key: str):
+    """The tokenizer of a model directory, with a pad token (EOS when it has none)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{key}: '{path}' is not a Hugging Face model directory (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{key}: cannot load the tokenizer of '{path}' ({str(err).splitlines()[0]})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", key: str = "model.path",
+         same_vocab_as=None):
+    """A model of `kind` and its tokenizer from a local Hugging Face directory.
+
+    Args:
+        path: the model directory.
+        kind: "causal_lm" (policy, reference), "critic" (one value per position) or "reward_model" (one score).
+        dtype: float32, bfloat16 or float16.
+        key: the config key that named `path`, for error messages.
+        same_vocab_as: a tokenizer the model must share token for token (a critic scores the policy's tokens).
+
+    Returns:
+        (model, tokenizer).
+
+    Raises:
+        UserError: naming `key`, when the directory is not a model, cannot be loaded, or has another vocabulary.
+    """
+    import transformers
+
+    tokenizer = load_tokenizer(path, key)
+    if same_vocab_as is not None and tokenizer.get_vocab() != same_vocab_as.get_vocab():
+        raise UserError(f"{key}: the model at '{path}' has a different tokenizer from the policy "
+                        f"({len(tokenizer)} vs {len(same_vocab_as)} tokens); it cannot score the policy's tokens")
+    auto, kwargs = HEADS[kind]
+    try:
+        model = getattr(transformers, auto).from_pretrained(Path(path), dtype=getattr(torch, dtype), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{key}: cannot load '{path}' as a {kind.replace('_', ' ')} "
+                        f"({str(err).splitlines()[0]})") from None
+    return model, tokenizer
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion: the generation config may list several, the tokenizer names one."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or tokenizer.eos_token_id
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return sorted({int(i) for i in ids} | {int(tokenizer.eos_token_id)})

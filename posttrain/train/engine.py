@@ -1,0 +1,202 @@
+"""The engine: one training step for every method.
+
+Each step: the plugin's data source makes a `Batch` (offline rows, or policy samples with rewards); the engine scores
+whatever the plugin asked for (reference and old log-probs, critic values); the plugin prepares the batch (advantages)
+and gives a gradient coefficient per token; the engine turns it into −aggregate(stopgrad(GC) · log πθ), accumulates
+gradients over micro-batches, steps the optimizer through the backend, and hands the new weights to the rollout
+engine. Nothing here depends on which method runs, how training is distributed, or which engine samples.
+
+Losses are divided by the token and sequence counts of the whole step across processes (`totals`), so the update does
+not depend on how the batch is split into micro-batches or over processes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain import judge, rollout
+from posttrain.backends import Backend
+from posttrain.config import RunConfig, algorithm_of, cache_root
+from posttrain.core.aggregation import Totals, aggregate
+from posttrain.core.batch import Batch
+from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
+from posttrain.data import RowSampler
+from posttrain.models.loading import load, stop_token_ids
+from posttrain.models.scoring import token_logprobs, token_values
+from posttrain.sources import SOURCES, Deps
+from posttrain.train.evaluation import evaluate
+
+
+def mean_metrics(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each metric averaged over the updates that logged it (PPO and GRPO with μ > 1 take several per step)."""
+    keys = dict.fromkeys(k for u in updates for k in u)
+    return {k: sum(u[k] for u in updates if k in u) / sum(k in u for u in updates) for k in keys}
+
+
+class Engine:
+    """Holds the models, optimizers, rollout engine and data source of one run; `step` does one step of the method.
+
+    Args:
+        cfg: the validated config.
+        model_path: the starting policy's directory.
+        backend: how training is distributed.
+        splits: (training rows, held-out rows).
+    """
+
+    def __init__(self, cfg: RunConfig, model_path: str | Path, backend: Backend,
+                 splits: tuple[list[dict], list[dict]]):
+        self.cfg, self.backend, self.model_path = cfg, backend, Path(model_path)
+        self.plugin = algorithm_of(cfg)
+        self.needs = self.plugin.needs(cfg.algorithm)
+        self.train_rows, self.test_rows = splits
+        t, a, dtype = cfg.train, cfg.algorithm, cfg.model.dtype
+        policy, self.tokenizer = load(model_path, dtype=dtype)
+        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs)
+        self.ref = None
+        if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
+            self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=dtype, key="model.ref_path")[0])
+        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps)
+        self.critic = None
+        if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
+            critic, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=self.tokenizer,
+                             key="algorithm.critic_path" if a.critic_path else "model.path")
+            self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay)
+        sampler = backend.generation_model(self.policy)
+        self.rollout = rollout.get(cfg.rollout.engine)(sampler, pad_id=self.tokenizer.pad_token_id,
+                                                       stop_ids=stop_token_ids(sampler, self.tokenizer))
+        source = SOURCES[self.plugin.source]
+        # Samples of the current policy are scored at the sampling temperature; fixed responses at 1.
+        self.temperature = cfg.rollout.temperature if source.on_policy else 1.0
+        self.mode, self.norm = self.plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or
+                                                             float(cfg.rollout.max_new_tokens))
+        unit = self.plugin.unit
+        self.micro = max(unit, t.micro_batch_size // unit * unit)
+        ref = self.ref
+        self.source = source.from_deps(Deps(
+            rows=self.train_rows, tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
+            sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
+            micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
+            samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
+            judge=self.judge, score_reference=(lambda b: self.score(ref, b.to(backend.device))) if ref else None,
+            model_path=self.model_path, cache_dir=cache_root(cfg), rank=backend.rank, world=backend.world_size))
+        if self.source.scores_reference:
+            self.ref = None  # the source holds the reference log-probs it needs: the model's memory is freed
+        self.roles, self.phases = RoleBytes(), PhasePeaks()
+        rm = getattr(self.judge.reward_model, "model", None)
+        for role, model in (("policy_weights", sampler), ("reference_weights", ref),
+                            ("critic_weights", self.critic and self.critic.module), ("reward_model_weights", rm)):
+            if model is not None:
+                self.roles.observe(role, tensor_bytes(model.parameters()))
+
+    @torch.no_grad()
+    def score(self, model, batch: Batch) -> torch.Tensor:
+        """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
+        parts = [token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature)
+                 for mb in batch.split(self.micro)]
+        return torch.cat(parts)  # [B, R]
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values of the response positions at sampling time."""
+        return torch.cat([token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
+                          for mb in batch.split(self.micro)])  # [B, R]
+
+    # -- update -----------------------------------------------------------------------------------------------
+    def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
+        """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
+        cfg, backend = self.cfg, self.backend
+        micro = batch.split(self.micro)
+        trained = [t for t in (self.policy, self.critic) if t is not None]
+        loss_sum, metrics = torch.zeros((), device=backend.device), {}
+        for i, mb in enumerate(micro):
+            with backend.accumulating(trained, sync=i == len(micro) - 1):  # all-reduced once, after the last
+                logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                      temperature=self.temperature)  # [b, R]
+                gc, m = self.plugin.coefficient(mb, logp.detach(), cfg.algorithm)  # [b, R]
+                loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
+                backend.backward(loss)
+                if self.critic is not None:
+                    values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
+                    per_token, cm = self.plugin.critic_loss(mb, values, cfg.algorithm)  # [b, R]
+                    critic_loss = aggregate(per_token, mb.mask, "token_mean", totals)
+                    backend.backward(critic_loss)
+                    m = {**m, **cm, "critic_loss": critic_loss * len(micro)}
+            loss_sum += loss.detach()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
+        metrics["loss"] = loss_sum
+        return metrics
+
+    def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
+        """One optimizer step (policy, and critic if any) on the gradient of the whole batch."""
+        metrics = self.accumulate(batch, totals)
+        max_norm = self.cfg.train.max_grad_norm
+        for name, trained in (("policy", self.policy), ("critic", self.critic)):
+            if trained is None:
+                continue
+            self.roles.observe(f"{name}_gradients", tensor_bytes(p.grad for p in trained.module.parameters()))
+            norm = self.backend.step(trained, max_norm)
+            if norm is not None:
+                metrics["grad_norm" if name == "policy" else "critic_grad_norm"] = norm
+            self.roles.observe(f"{name}_optimizer_state", optimizer_bytes(trained.optimizer))
+        return metrics
+
+    def totals(self, batch: Batch) -> Totals:
+        """Sequences and tokens of `batch` summed over every process: the denominators of its loss."""
+        local = Totals.of(batch.mask)
+        counts = torch.tensor([local.seqs, local.tokens], device=self.backend.device)
+        return Totals(*self.backend.reduce(counts, "sum").tolist())
+
+    def minibatches(self, batch: Batch) -> list[Batch]:
+        """The batch cut into the plugin's number of minibatches, whole units each, shuffled each epoch."""
+        n = self.plugin.minibatches(self.cfg.algorithm)
+        if n == 1:
+            return [batch]
+        unit = self.plugin.unit
+        order = torch.randperm(len(batch) // unit, device=batch.input_ids.device)  # [units]
+        rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
+        size = -(-len(batch) // unit // n) * unit
+        return [batch.select(rows[i : i + size]) for i in range(0, len(batch), size)]
+
+    def step(self) -> dict[str, float]:
+        t_start = time.perf_counter()
+        phases = self.phases
+        with phases.phase("rollout"):  # sampling and rewards for online sources; collation otherwise
+            batch, stats = self.source.next()
+            batch = batch.to(self.backend.device)
+        with phases.phase("scoring"):
+            if self.ref is not None:
+                batch.ref_logp = self.score(self.ref, batch)
+            if "old_logp" in self.needs:
+                batch.old_logp = self.score(self.policy.module, batch)
+            if self.critic is not None:
+                batch.extra["values"] = self.values(batch)
+        batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
+        self.roles.observe("rollout_batch", batch_bytes(batch))
+        updates = []
+        self.rollout.release()
+        with phases.phase("update"):
+            for _ in range(self.plugin.epochs(self.cfg.algorithm)):
+                for minibatch in self.minibatches(batch):
+                    updates.append(self.update(minibatch, self.totals(minibatch)))
+        t0 = time.perf_counter()
+        self.rollout.restore()
+        self.rollout.load_weights(self.backend.weights(self.policy))  # the next rollout samples from the new policy
+        stats.update({"time/score": phases.seconds["scoring"], "time/update": phases.seconds["update"],
+                      "time/weight_sync": time.perf_counter() - t0})
+        metrics = {**prep, **mean_metrics(updates)}
+        reduced = {k: float(self.backend.reduce(torch.as_tensor(v, device=self.backend.device).float(), "mean"))
+                   for k, v in sorted(metrics.items())}
+        elapsed = time.perf_counter() - t_start
+        trained = float(batch.mask.sum())
+        return {**stats, **reduced, "trained_tokens": trained, "lr": self.policy.scheduler.get_last_lr()[0],
+                "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
+
+    def evaluate(self) -> dict:
+        e = self.cfg.eval
+        return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
+                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                        batch_size=e.batch_size, backend=self.backend)
