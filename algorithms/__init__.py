@@ -9,101 +9,11 @@ log-probs), per-batch preparation (advantages, filters) and the per-token coeffi
 the surrogate loss −aggregate(stopgrad(GC) · log πθ); it never asks which method it runs.
 """
 
-from __future__ import annotations
-
-import difflib
 import importlib
-from typing import Any
 
-import torch
+from posttrain.algorithms.base import REGISTRY, Algorithm, get, register
 
-from posttrain.core.errors import ConfigError
-
-REGISTRY: dict[str, type[Algorithm]] = {}
-
-
-class Algorithm:
-    """Defaults shared by every plugin. Subclasses set `Config` and override what differs.
-
-    Attributes:
-        name: the registry name, set by `register`.
-        Config: dataclass of the method's own hyperparameters (the recipe's `algorithm` group, less `name`).
-        source: where batches come from (`posttrain.sources`): "offline" (rows of prompt and response), "online"
-            (samples of the current policy each step), "samples_once" (samples of the starting model, generated once
-            and kept where correct), "pairs" (a correct and an incorrect response per prompt, from a file or samples).
-        unit: rows that must stay together in one micro-batch (2 for a preference pair).
-        learned_reward: the method is usually run with a learned reward model (PPO, as in InstructGPT); only
-            `posttrain estimate` reads it, to count one by default.
-    """
-
-    name: str = ""
-    Config: type = object
-    source: str = "offline"
-    unit: int = 1
-    learned_reward: bool = False
-
-    @staticmethod
-    def needs(cfg: Any) -> frozenset[str]:
-        """What the engine must provide: any of "reward", "old_logp", "ref_logp", "values" (loads a critic)."""
-        return frozenset()
-
-    @staticmethod
-    def samples_per_prompt(cfg: Any) -> int:
-        """Completions sampled per prompt by an online source."""
-        return 1
-
-    @staticmethod
-    def epochs(cfg: Any) -> int:
-        """Optimizer steps taken on each batch (μ in the paper)."""
-        return 1
-
-    @staticmethod
-    def minibatches(cfg: Any) -> int:
-        """Optimizer steps per epoch: the batch is split into this many minibatches."""
-        return 1
-
-    @staticmethod
-    def aggregation(cfg: Any) -> tuple[str, float] | None:
-        """(mode, norm) when the method fixes how tokens are aggregated; None uses `train.loss_agg`."""
-        return None
-
-    @staticmethod
-    def prepare(batch: Any, cfg: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Per-batch work before it is split into micro-batches (e.g. group advantages). Returns (batch, metrics)."""
-        return batch, {}
-
-    @staticmethod
-    def coefficient(batch: Any, logp: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """GC for every response token of a micro-batch, from detached tensors. Returns (gc [B, R], metrics)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def critic_loss(batch: Any, values: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token critic loss [B, R] from the critic's current values, for methods that need "values"."""
-        raise NotImplementedError
-
-
-def register(name: str):
-    """Class decorator adding a plugin to the registry under `name`; a second plugin with the same name is an error."""
-
-    def add(cls: type[Algorithm]) -> type[Algorithm]:
-        if name in REGISTRY:
-            raise ValueError(f"algorithm {name!r} is registered twice ({REGISTRY[name].__module__}, {cls.__module__})")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def get(name: str) -> type[Algorithm]:
-    """The plugin registered as `name`; an unknown name is a ConfigError listing the known ones."""
-    if name not in REGISTRY:
-        near = difflib.get_close_matches(str(name), REGISTRY, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; {hint}known: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
-
+__all__ = ["REGISTRY", "Algorithm", "get", "register"]
 
 # The built-in methods register themselves on import, in the order of the paper's Table 10 (the order listings use).
 for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo"):

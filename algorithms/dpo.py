@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.base import Algorithm, register
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.base import Algorithm, register
 from posttrain.algorithms.ppo import clipped_coefficient
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.base import Algorithm, register
 from posttrain.algorithms.rft import indicator_coefficient
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.base import Algorithm, register
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError

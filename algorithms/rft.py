@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.algorithms import Algorithm, register
+from posttrain.algorithms.base import Algorithm, register
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 

@@ -14,7 +14,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from posttrain.core.errors import DataError
-from posttrain.rewards import register
+from posttrain.rewards.base import register
 
 # A sign (not when it is a minus between two operands, as in "10-3"), an optional `$`, then digits with either
 # well-formed thousands commas ("1,234") or none, then optional decimals. A trailing "." is never taken.

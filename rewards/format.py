@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from posttrain.rewards import register
 from posttrain.rewards.accuracy import final_match
+from posttrain.rewards.base import register
 
 
 def is_well_formed(completion: str) -> bool:

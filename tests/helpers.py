@@ -8,7 +8,7 @@ from posttrain.core.aggregation import aggregate
 
 
 def written_out_mean(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float = 1.0) -> torch.Tensor:
-    """The aggregation modes as plain loops over sequences and tokens, independent of posttrain.aggregation."""
+    """The aggregation modes as plain loops over sequences and tokens, independent of posttrain.core.aggregation."""
     seqs = [i for i in range(per_token.shape[0]) if mask[i].sum() > 0]
     if mode == "seq_mean_token_mean":  # (1/G) Σ_i (1/|o_i|) Σ_t
         return sum(sum(per_token[i, t] for t in range(mask.shape[1]) if mask[i, t]) / mask[i].sum() for i in seqs) / len(seqs)

@@ -77,6 +77,7 @@ def test_report_for_any_number_of_recipes(tmp_path):
     runs = {name: fake_run() for name in ("a", "b", "c")}
     runs["c"]["memory"]["roles_bytes"]["critic_weights"] = 3 * 2**20
     runs["c"]["memory"]["cuda_peak_allocated_mb"] = {"update": 123.0}
+    runs["b"]["memory"]["roles_bytes"]["process_reward_model_weights"] = 2**20  # a role compare has no label for
     titles = []
     for title, header, rows in compare.tables(runs):
         titles.append(title)
@@ -84,6 +85,7 @@ def test_report_for_any_number_of_recipes(tmp_path):
     assert titles[:2] == ["Outcome", "Memory (MiB)"]
     memory = {r[0]: r[1:] for r in compare.tables(runs)[1][2]}
     assert memory["critic weights"] == ["–", "–", "3.00"] and memory["CUDA max allocated, update phase"][2] == "123"
+    assert memory["process reward model weights"] == ["–", "1.00", "–"]
     p = compare.Plan({n: n for n in runs}, list(runs), tmp_path, ["train.steps=3"], 3, 2)
     compare.report(runs, p)
     written = json.loads((tmp_path / "compare.json").read_text())

@@ -231,3 +231,32 @@ def test_config_errors_name_file_and_field(tmp_path):
     (tmp_path / "moe" / "config.json").write_text(json.dumps({**_tiny_llama_config().to_dict(), "num_experts": 8}))
     with pytest.raises(UserError, match="mixture-of-experts"):
         model_spec(str(tmp_path / "moe"))
+
+
+def test_a_registered_method_appears_by_its_own_declarations(monkeypatch):
+    """A method registered later is estimated from what it declares, with no list to edit: this one samples G = 3
+    completions per prompt online and needs a critic, so it gets a critic row and a KV cache for 3 × batch sequences."""
+    from dataclasses import dataclass
+
+    from posttrain import algorithms
+
+    @dataclass
+    class ToyConfig:
+        group_size: int = 4
+
+    class Toy(algorithms.Algorithm):
+        name, Config, source = "toy", ToyConfig, "online"
+
+        @staticmethod
+        def needs(cfg):
+            return frozenset({"reward", "values"})
+
+        @staticmethod
+        def samples_per_prompt(cfg):
+            return cfg.group_size
+
+    monkeypatch.setitem(algorithms.REGISTRY, "toy", Toy)
+    toy = rows(estimate(B7, "toy", batch=2, group=3, prompt_len=10, response_len=20))
+    assert "critic (weights+grads+moments+master)" in toy and "reference model" not in toy
+    assert toy["rollout KV cache"].gpu_bytes == kv_cache_bytes(B7, 2 * 3, 30)
+    assert "\nTOY\n" in render([estimate(B7, m) for m in algorithms.REGISTRY])

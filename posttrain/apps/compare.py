@@ -17,7 +17,7 @@ as were given:
 2. memory: bytes held by each role (weights, gradients and AdamW state of the policy and critic, reference and reward
    model weights, the step's batch), counted from the tensors; peak RSS per phase on CPU and
    `torch.cuda.max_memory_allocated` per phase on a GPU;
-3. the estimator's model-state bytes (`posttrain.estimate.state_bytes`, fp32 runs only) next to the measured ones;
+3. the estimator's model-state bytes (`posttrain.apps.estimate.state_bytes`, fp32 runs only) next to the measured ones;
 4. time: the median over steps of each phase, and throughput (generated tokens / sampling time, trained tokens /
    update time);
 5. held-out accuracy and reward against step and wall time.
@@ -40,7 +40,7 @@ from posttrain import config
 from posttrain.core.errors import ConfigError, UserError
 
 OWN_KEYS = ("output_dir", "overwrite", "steps", "eval_every")
-ROLES = {  # role in summary.json -> label, in report order
+ROLES = {  # role in summary.json -> label, in report order; a role not listed is shown too (`roles_of`)
     "policy_weights": "policy weights", "policy_gradients": "policy gradients",
     "policy_optimizer_state": "policy AdamW state", "reference_weights": "reference weights",
     "critic_weights": "critic weights", "critic_gradients": "critic gradients",
@@ -50,6 +50,19 @@ ROLES = {  # role in summary.json -> label, in report order
 COLORS = {"policy_weights": "#1f77b4", "policy_gradients": "#6baed6", "policy_optimizer_state": "#c6dbef",
           "reference_weights": "#2ca02c", "critic_weights": "#d62728", "critic_gradients": "#fc8d59",
           "critic_optimizer_state": "#fdd0a2", "reward_model_weights": "#9467bd", "rollout_batch": "#7f7f7f"}
+OTHER_COLORS = ("#bcbd22", "#17becf", "#8c564b", "#e377c2")
+
+
+def roles_of(runs: list[dict]) -> list[str]:
+    """The roles any run measured: those of ROLES in its order, then any other (a new model a method holds)."""
+    seen = {k for r in runs for k in r["memory"]["roles_bytes"]}
+    return [k for k in ROLES if k in seen] + sorted(seen - ROLES.keys())
+
+
+def role_label(role: str) -> str:
+    return ROLES.get(role, role.replace("_", " "))
+
+
 PHASES = {"rollout": "time/rollout", "reward": "time/reward", "scoring": "time/score", "update": "time/update"}
 PHASE_LABELS = {"rollout": "rollout (sampling)", "reward": "reward", "scoring": "scoring (ref, old, values)",
                 "update": "update (forward, backward, step)", "other": "other (collation, advantages, ...)"}
@@ -204,7 +217,7 @@ def _rate(metrics: list[dict], tokens: str, seconds: str) -> float | None:
 
 
 def estimated_roles(resolved: dict, summary: dict) -> dict[str, int] | None:
-    """What `posttrain.estimate.state_bytes` predicts for each model-state role the run measured; None when it
+    """What `posttrain.apps.estimate.state_bytes` predicts for each model-state role the run measured; None when it
     cannot say like for like: weights not fp32 (torch's AdamW keeps moments in the weights' dtype, the estimator in
     fp32) or a model directory that is gone."""
     from posttrain.apps.estimate import model_spec, state_bytes
@@ -316,8 +329,8 @@ def tables(runs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]
                row("held-out problems", lambda r: _f(r["eval_problems"], "d")),
                row("steps", lambda r: _f(r["steps"], "d")),
                row("wall time (s)", lambda r: _f(r["wall_seconds"], ".1f"))]
-    roles = [k for k in ROLES if any(k in r["memory"]["roles_bytes"] for r in rs)]
-    memory = [row(ROLES[k], lambda r, k=k: _mib(r["memory"]["roles_bytes"].get(k))) for k in roles]
+    roles = roles_of(rs)
+    memory = [row(role_label(k), lambda r, k=k: _mib(r["memory"]["roles_bytes"].get(k))) for k in roles]
     memory.append(row("all roles", lambda r: _mib(sum(r["memory"]["roles_bytes"].values()))))
     for key, what in (("cpu_peak_rss_mb", "peak RSS"), ("cuda_peak_allocated_mb", "CUDA max allocated")):
         for phase in MEM_PHASES:
@@ -330,7 +343,7 @@ def tables(runs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]
         return "–" if est is None or got is None else f"{_mib(got)} / {_mib(est)} ({(got - est) / est:+.1%})"
 
     est_roles = [k for k in roles if any(k in (r["estimated_roles_bytes"] or {}) for r in rs)]
-    estimate = [row(ROLES[k], lambda r, k=k: versus(r, k)) for k in est_roles]
+    estimate = [row(role_label(k), lambda r, k=k: versus(r, k)) for k in est_roles]
     phases = ("rollout", "reward", "scoring", "update", "other")
     timing = [row(PHASE_LABELS[p], lambda r, p=p: _f(r["time_median_s"][p], ".3f")) for p in phases]
     timing += [row("step", lambda r: _f(r["time_median_s"]["step"], ".3f")),
@@ -341,7 +354,7 @@ def tables(runs: dict[str, dict]) -> list[tuple[str, list[str], list[list[str]]]
     header = ["", *runs]
     out = [("Outcome", header, outcome), ("Memory (MiB)", header, memory)]
     if estimate:
-        out.append(("Model-state bytes, measured / posttrain.estimate (MiB)", header, estimate))
+        out.append(("Model-state bytes, measured / posttrain.apps.estimate (MiB)", header, estimate))
     out += [("Time per step (median over steps, s)", header, timing),
             ("Held-out accuracy against step and wall time (reward: mean since the previous point)",
              ["step", *runs], curve)]
@@ -403,9 +416,10 @@ def plot(runs: dict[str, dict], path: Path) -> None:
         ax.set_ylim(0, max(bottom, default=0) * 1.12 or 1)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
 
-    roles = [k for k in ROLES if any(k in r["memory"]["roles_bytes"] for r in rs)]
-    stack(mem, {ROLES[k]: [r["memory"]["roles_bytes"].get(k, 0) / MIB for r in rs] for k in roles},
-          [COLORS[k] for k in roles], "MiB")
+    roles = roles_of(rs)
+    others = iter(OTHER_COLORS * len(roles))
+    stack(mem, {role_label(k): [r["memory"]["roles_bytes"].get(k, 0) / MIB for r in rs] for k in roles},
+          [COLORS.get(k) or next(others) for k in roles], "MiB")
     mem.set_title("memory held by each role")
     phases = ("rollout", "reward", "scoring", "update", "other")
     stack(tim, {PHASE_LABELS[p]: [max(0.0, r["time_median_s"][p] or 0.0) for r in rs] for p in phases},

@@ -1,4 +1,5 @@
-"""Per-GPU memory for SFT, DPO, PPO and GRPO, from a model's config.json or a built-in preset.
+"""Per-GPU memory of each registered method (SFT, RFT, Online RFT, DPO, PPO, GRPO), from a model's config.json or a
+built-in preset.
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020, arXiv:1910.02054, §3.1): a trained
 parameter costs its weight and gradient in the training dtype, two fp32 AdamW moments (8 bytes) and, in mixed
@@ -6,7 +7,7 @@ precision, a 4-byte fp32 master copy. A 7B model in bf16 is 14 GB of weights + 1
 moments (+28 GB of master weights). ZeRO stage 1 shards the optimizer states (moments and master) over the GPUs,
 stage 2 also the gradients, stage 3 also the weights, including those of frozen models.
 
-Each method is a set of model roles (DESIGN.md: the engine loads a reference or a critic only when asked):
+Each method is a set of model roles (docs/unified_view.md: the engine loads a reference or a critic only when asked):
 
 | method | policy  | reference              | critic  | reward model              | rollout KV cache |
 |--------|---------|------------------------|---------|---------------------------|------------------|
@@ -14,6 +15,9 @@ Each method is a set of model roles (DESIGN.md: the engine loads a reference or 
 | DPO    | trained | frozen                 | -       | -                         | -                |
 | PPO    | trained | frozen (absent, beta=0)| trained | frozen (reward_model=true)| batch sequences  |
 | GRPO   | trained | frozen (absent, beta=0)| -       | frozen if reward_model    | batch·G sequences|
+
+The rows come from each plugin's own declarations (`method_profile`), so RFT, Online RFT and any method registered
+later appear without a list here to edit.
 
 Assumptions (render() prints them with the numbers):
 1. Critic and reward model have the policy's architecture (the value head vs lm_head difference is ignored).
@@ -30,6 +34,7 @@ Assumptions (render() prints them with the numbers):
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -37,11 +42,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from posttrain.core.errors import UserError
+from posttrain import algorithms
+from posttrain.core.errors import ConfigError, UserError
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-METHODS = ("sft", "dpo", "ppo", "grpo")
 OFFLOAD = ("none", "optimizer", "all")
 TRANSIENT = ("rollout KV cache", "activations")  # live at different times: the total takes the larger
 
@@ -242,7 +247,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
 
     Args:
         spec: the model (policy; critic, reference and reward model are taken to be the same size).
-        method: "sft", "dpo", "ppo" or "grpo".
+        method: a registered method (`posttrain.algorithms`): what it holds comes from `method_profile`.
         gpus: data-parallel GPUs that ZeRO shards over.
         zero: ZeRO stage 0-3. offload: "none", "optimizer" (moments and master) or "all" (also weights).
         lora: LoRA rank; 0 trains every weight.
@@ -283,34 +288,58 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
     for role, nbytes, stage, cpu, formula in parts:
         g, c, where = place(nbytes, stage, cpu)
         rows.append(Row(f"policy {role}", g, c, formula + where))
-    if method == "dpo" or (method in ("ppo", "grpo") and beta > 0):
+    plugin, needs, online, seqs_per_item = method_profile(method, group, beta)
+    if "ref_logp" in needs:
         if lora:
             rows.append(Row("reference model", 0, 0, "the policy's frozen base with adapters disabled"))
         else:
             g, c, where = place(frozen.params, 3, off_par)
             rows.append(Row("reference model", g, c, f"frozen: {_num(n)} × {p} B{where}"))
-    if method == "ppo":
+    if "values" in needs:
         placed = [place(nbytes, stage, cpu) for _, nbytes, stage, cpu, _ in parts]
         rows.append(Row("critic (weights+grads+moments+master)", sum(x[0] for x in placed),
                         sum(x[1] for x in placed), "same as the four policy rows (policy-sized critic)"))
-    if method in ("ppo", "grpo") and (reward_model if reward_model is not None else method == "ppo"):
+    if "reward" in needs and (reward_model if reward_model is not None else plugin.learned_reward):
         g, c, where = place(frozen.params, 3, off_par)
         rows.append(Row("reward model", g, c, f"frozen: {_num(n)} × {p} B{where}"))
     tokens = prompt_len + response_len
-    if method in ("ppo", "grpo"):
-        seqs = batch * (group if method == "grpo" else 1)
+    seqs = batch * seqs_per_item
+    if online:
         kv_f = f"2 × {spec.layers} layers × {spec.kv_heads} kv × {spec.hd} × {p} B × {seqs} seq × {tokens} tok"
         rows.append(Row("rollout KV cache", kv_cache_bytes(spec, seqs, tokens, dtype), 0, kv_f))
-    seqs = batch * {"sft": 1, "dpo": 2, "ppo": 1, "grpo": group}[method]
     act, act_f = activation_bytes(spec, seqs * tokens, dtype, grad_ckpt)
     rows.append(Row("activations", act, 0, act_f))
     return Estimate(method, spec, rows, settings)
 
 
+def method_profile(method: str, group: int, beta: float):
+    """What the registered plugin `method` holds, read from its own declarations rather than a list here:
+    (plugin, needs, samples online, sequences per batch item).
+
+    The plugin's default config is used, with `beta` (KL weight) and `group` (GRPO's G, `group_size`) set where the
+    config has such a field. A `beta` the method rejects leaves its default (DPO's β must be > 0 and it always needs
+    the reference); a `group` it rejects is an error.
+    """
+    plugin = algorithms.get(method)
+    cfg, fields = plugin.Config(), {f.name for f in dataclasses.fields(plugin.Config)}
+    if "beta" in fields:
+        try:
+            cfg = dataclasses.replace(cfg, beta=beta)
+        except ConfigError:
+            pass
+    if "group_size" in fields:
+        try:
+            cfg = dataclasses.replace(cfg, group_size=group)
+        except ConfigError as err:
+            raise UserError(f"G={group}: {method}: {err}") from None
+    online = plugin.source == "online"  # samples the policy every step: a rollout KV cache
+    return plugin, plugin.needs(cfg), online, plugin.samples_per_prompt(cfg) * plugin.unit
+
+
 def _validate(**kw) -> None:
     """Raise UserError naming the first setting out of range."""
     checks = {  # key -> (valid, what is allowed); keys as the CLI spells them
-        "method": (kw["method"] in METHODS, " or ".join(METHODS)), "gpus": (kw["gpus"] >= 1, ">= 1"),
+        "method": (kw["method"] in algorithms.REGISTRY, " or ".join(algorithms.REGISTRY)), "gpus": (kw["gpus"] >= 1, ">= 1"),
         "zero": (kw["zero"] in (0, 1, 2, 3), "0, 1, 2 or 3"), "offload": (kw["offload"] in OFFLOAD, "/".join(OFFLOAD)),
         "lora": (kw["lora"] >= 0, ">= 0"), "batch": (kw["batch"] >= 1, ">= 1"), "G": (kw["group"] >= 1, ">= 1"),
         "prompt_len": (kw["prompt_len"] >= 0, ">= 0"), "response_len": (kw["response_len"] >= 0, ">= 0"),
@@ -390,7 +419,7 @@ def main(argv: list[str]) -> int:
     if gpu_mem <= 0:
         raise UserError(f"gpu_mem={gpu_mem}: must be positive (GB per GPU)")
     spec = model_spec(values.pop("model"))
-    methods = values.pop("method", ",".join(METHODS)).lower().split(",")
+    methods = values.pop("method", ",".join(algorithms.REGISTRY)).lower().split(",")
     kwargs = {KEYS[k][1]: v for k, v in values.items()}
     print(render([estimate(spec, m, **kwargs) for m in methods], gpu_mem))
     return 0

@@ -1,7 +1,7 @@
 """The SFT warm-up of the embedded tiny model, run once and cached.
 
 RL needs a policy that sometimes succeeds. With no model given, posttrain builds the tiny Llama of
-`posttrain.embedded`, trains it with SFT on the embedded task for `warmup.steps` steps, and keeps the result under
+`posttrain.models.embedded`, trains it with SFT on the embedded task for `warmup.steps` steps, and keeps the result under
 the cache directory, keyed by everything that shapes it; every recipe then starts from the same weights.
 """
 

@@ -2,7 +2,7 @@
 memory and duration of each phase of a step.
 
 Roles are counted from the tensors themselves (numel × element size, each storage once), so they are exact and
-comparable with `posttrain.estimate`. Phase peaks are the process's peak resident memory on CPU (the kernel's
+comparable with `posttrain.apps.estimate`. Phase peaks are the process's peak resident memory on CPU (the kernel's
 high-water mark, reset at the start of each phase through /proc/self/clear_refs) and
 `torch.cuda.max_memory_allocated` on a GPU (reset likewise).
 """

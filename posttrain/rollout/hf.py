@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from posttrain.core.batch import Batch, left_pad
-from posttrain.rollout import RolloutEngine, register
+from posttrain.rollout.base import RolloutEngine, register
 
 
 @register("hf")

@@ -1,0 +1,101 @@
+"""The backend interface (`Backend`, `Trained`) and the registry of backends; `posttrain.backends` re-exports them."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.core.errors import ConfigError
+
+
+@dataclass
+class Trained:
+    """A model being trained: the wrapped module that forward and backward go through, its optimizer and schedule."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    scheduler: Any = None
+
+
+class Backend:
+    """The interface; `ddp` (posttrain.backends.ddp) is the reference implementation."""
+
+    name: str = ""
+    device: torch.device
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def train(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
+              warmup_steps: int | None = None) -> Trained:
+        """Wraps `model` for training with AdamW; `warmup_steps` adds a linear warm-up, then a constant rate."""
+        raise NotImplementedError
+
+    def freeze(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Places a model that is only scored (no gradients)."""
+        raise NotImplementedError
+
+    def accumulating(self, trained: list[Trained], sync: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's backward; gradients are synchronised across processes only when `sync`."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagates `loss`, whose denominators already span every process."""
+        raise NotImplementedError
+
+    def step(self, trained: Trained, max_grad_norm: float) -> torch.Tensor | None:
+        """Clips (when `max_grad_norm` > 0), steps the optimizer and schedule, clears gradients; returns the norm."""
+        raise NotImplementedError
+
+    def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """`op` ("sum" or "mean") of `tensor` over every process."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def generation_model(self, trained: Trained) -> torch.nn.Module:
+        """The plain model whose parameters are the trained ones, for sampling."""
+        raise NotImplementedError
+
+    def weights(self, trained: Trained) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every parameter, layer by layer, as the rollout engine loads them."""
+        raise NotImplementedError
+
+    def save(self, trained: Trained, tokenizer, path: Path) -> None:
+        """Writes the model and tokenizer as one Hugging Face directory (every process calls it)."""
+        raise NotImplementedError
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register(name: str):
+    """Class decorator adding a backend under `name`; a second backend with the same name is an error."""
+
+    def add(cls: type[Backend]) -> type[Backend]:
+        if name in BACKENDS:
+            raise ValueError(f"backend {name!r} is registered twice")
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return add
+
+
+def get(name: str) -> type[Backend]:
+    """The backend registered as `name`; an unknown name is a ConfigError listing the known ones."""
+    if name not in BACKENDS:
+        near = difflib.get_close_matches(str(name), BACKENDS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"train.backend: unknown backend {name!r}; {hint}known: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
