@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from posttrain import rewards
-from posttrain.config import DataConfig, RunConfig
 from posttrain.data import prompt_texts
 from posttrain.rewards.accuracy import accuracy
+from posttrain.schema import DataConfig, RunConfig
 
 
 class Judge:

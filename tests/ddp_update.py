@@ -13,7 +13,8 @@ from posttrain import config
 from posttrain.backends.ddp import DDP
 from posttrain.core.aggregation import Totals
 from posttrain.core.batch import collate
-from posttrain.data import prompt_ids, response_ids, run_splits
+from posttrain.data import prompt_ids, response_ids
+from posttrain.sources import run_splits
 from posttrain.train import Engine
 
 

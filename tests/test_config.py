@@ -45,6 +45,9 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", ["rollout.temperature=0"], "rollout.temperature: must be > 0"),
     ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),
     ("grpo_math", ["data.template=nothing"], "data.template: must contain {prompt}"),
+    ("grpo_math", ["rewards.foo=1"], "rewards.foo: reward 'foo' is unknown"),
+    ("grpo_math", ["rollout.engine=hff"], "rollout.engine: unknown rollout engine 'hff'; did you mean 'hf'?"),
+    ("grpo_math", ["train.backend=zero9"], "train.backend: unknown backend 'zero9'"),
 ])
 def test_bad_input_names_the_culprit(recipe, overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -6,10 +6,10 @@ import datasets
 import pytest
 import torch
 
-from posttrain.config import DataConfig
 from posttrain.core.batch import collate
 from posttrain.core.errors import DataError
 from posttrain.data import RowSampler, check_fields, load_splits, read_rows
+from posttrain.schema import DataConfig
 
 
 def test_jsonl_parquet_dataset_dir_and_in_memory(tmp_path, gsm8k_rows):

@@ -8,7 +8,7 @@ import torch
 from posttrain import config
 from posttrain.backends.ddp import DDP
 from posttrain.core.aggregation import MODES, Totals
-from posttrain.data import run_splits
+from posttrain.sources import run_splits
 from posttrain.train import Engine, run
 
 

@@ -52,7 +52,7 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
     """`posttrain run`: refuses a non-empty output_dir and bad data first, warms the embedded model up when no model
     is given (cached), then trains. Returns the summary on the main process, None on the others."""
     from posttrain.apps import warmup
-    from posttrain.data import run_splits
+    from posttrain.sources import run_splits
     from posttrain.train import run
     from posttrain.train.rundir import RunDir
 

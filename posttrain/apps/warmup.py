@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from posttrain.algorithms.sft import SFTConfig
-from posttrain.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.models.embedded import build_model_dir
+from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.train import run
 
 VERSION = 1  # bump when the embedded model or task changes, so stale caches are not reused

@@ -8,13 +8,20 @@ how a batch is split over processes or micro-batches.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from posttrain.backends import Backend, Trained, register
+from posttrain.backends.base import Backend, Trained, register
+
+
+def _close_process_group() -> None:
+    """Several processes over gloo hang at interpreter exit unless the process group is destroyed first."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @register("ddp")
@@ -24,6 +31,9 @@ class DDP(Backend):
 
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.device, self.rank, self.world_size = self.acc.device, self.acc.process_index, self.acc.num_processes
+        if self.world_size > 1:
+            atexit.unregister(_close_process_group)  # once, however many runs this process makes
+            atexit.register(_close_process_group)
 
     def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

@@ -9,8 +9,6 @@ from posttrain.data.rows import (
     prompt_texts,
     read_rows,
     response_ids,
-    run_splits,
 )
 
-__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows", "response_ids",
-           "run_splits"]
+__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows", "response_ids"]

@@ -12,9 +12,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import DataConfig, RunConfig, algorithm_of
 from posttrain.core.errors import DataError
 from posttrain.data import embedded
+from posttrain.schema import DataConfig
 
 
 def read_rows(source: Any, key: str = "data.path") -> list[dict]:
@@ -89,13 +89,6 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list
                             f"for eval; set data.test_path or a smaller eval.num_problems")
         train, test = train[: len(train) - num_test], train[len(train) - num_test :]
     return train, test
-
-
-def run_splits(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
-    """A run's training and held-out rows, with the fields its method reads checked on every row."""
-    d = cfg.data
-    offline = algorithm_of(cfg).source == "offline"
-    return load_splits(d, [d.prompt_field, d.response_field if offline else d.answer_field], cfg.eval.num_problems)
 
 
 def prompt_texts(rows: list[dict], cfg: DataConfig) -> list[str]:

@@ -11,7 +11,8 @@ A source is built from `Deps`, the explicit list of what sources may use, by its
 reads. `next()` returns (batch on the CPU, metrics of the step's data). Two class attributes tell the engine what it
 needs to know: `on_policy` (the batch holds samples of the current policy, so log-probs are scored at the sampling
 temperature) and `scores_reference` (the source computed the reference log-probs itself, so the engine frees the
-reference model once the source is built).
+reference model once the source is built). `row_fields` names the fields of a data row the source reads, checked on
+every row before training starts.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any
 
 import torch
 
-from posttrain.config import DataConfig, RolloutConfig
+from posttrain.config import algorithm_of
 from posttrain.core.batch import Batch
-from posttrain.data import RowSampler
+from posttrain.data import RowSampler, load_splits
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
+from posttrain.schema import DataConfig, RolloutConfig, RunConfig
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,9 @@ from posttrain.sources.pairs import Pairs  # noqa: E402
 from posttrain.sources.samples import SamplesOnce  # noqa: E402
 
 SOURCES = {"offline": Offline, "online": Online, "samples_once": SamplesOnce, "pairs": Pairs}
+
+
+def run_splits(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
+    """A run's training and held-out rows, with the fields its method's source reads checked on every row."""
+    fields = SOURCES[algorithm_of(cfg).source].row_fields(cfg.data)
+    return load_splits(cfg.data, fields, cfg.eval.num_problems)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from posttrain.config import DataConfig
 from posttrain.core.batch import Batch, collate
 from posttrain.data import RowSampler, prompt_ids, response_ids
+from posttrain.schema import DataConfig
 
 
 class Offline:
@@ -13,6 +13,10 @@ class Offline:
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
+
+    @staticmethod
+    def row_fields(data: DataConfig) -> list[str]:
+        return [data.prompt_field, data.response_field]
 
     @classmethod
     def from_deps(cls, d) -> Offline:

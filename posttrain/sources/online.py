@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from posttrain.config import DataConfig, RolloutConfig
 from posttrain.core.batch import Batch
 from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
+from posttrain.schema import DataConfig, RolloutConfig
 
 
 class Online:
@@ -19,6 +19,10 @@ class Online:
                  sampling: RolloutConfig, judge: Judge, n: int):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
+
+    @staticmethod
+    def row_fields(data) -> list[str]:
+        return [data.prompt_field, data.answer_field]
 
     @classmethod
     def from_deps(cls, d) -> Online:

@@ -58,6 +58,10 @@ class Pairs:
                 pair["ref"] = [logp[2 * j + s, : len(pair["responses"][s])].cpu() for s in (0, 1)]
         self.sampler = RowSampler(self.pairs, seed)
 
+    @staticmethod
+    def row_fields(data) -> list[str]:
+        return [data.prompt_field, data.answer_field]
+
     @classmethod
     def from_deps(cls, d) -> Pairs:
         a = d.algorithm

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config import DataConfig, RolloutConfig
 from posttrain.core.batch import Batch, collate
 from posttrain.core.errors import DataError
 from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
+from posttrain.schema import DataConfig, RolloutConfig
 
 
 def starting_samples(rows: list[dict], k: int, *, tokenizer, data: DataConfig, rollout: RolloutEngine,
@@ -73,6 +73,10 @@ class SamplesOnce:
         self.sampler = RowSampler(self.kept, seed)
         self.stats = {"rft_samples": float(len(samples)), "rft_kept": float(len(self.kept)),
                       "rft_prompts_with_correct": float(len({s["prompt"] for s in self.kept}))}
+
+    @staticmethod
+    def row_fields(data) -> list[str]:
+        return [data.prompt_field, data.answer_field]
 
     @classmethod
     def from_deps(cls, d) -> SamplesOnce:

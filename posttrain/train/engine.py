@@ -19,13 +19,14 @@ import torch
 
 from posttrain import judge, rollout
 from posttrain.backends import Backend
-from posttrain.config import RunConfig, algorithm_of, cache_root
+from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
 from posttrain.data import RowSampler
 from posttrain.models.loading import load, stop_token_ids
 from posttrain.models.scoring import token_logprobs, token_values
+from posttrain.schema import RunConfig, cache_root
 from posttrain.sources import SOURCES, Deps
 from posttrain.train.evaluation import evaluate
 

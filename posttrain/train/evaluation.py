@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.config import DataConfig, EvalConfig
 from posttrain.data import completion_texts, prompt_ids
+from posttrain.schema import DataConfig, EvalConfig
 
 
 @torch.no_grad()

@@ -14,9 +14,10 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from posttrain import backends
-from posttrain.config import RunConfig, algorithm_of
+from posttrain.config import algorithm_of
 from posttrain.core.errors import ConfigError
-from posttrain.data import run_splits
+from posttrain.schema import RunConfig
+from posttrain.sources import run_splits
 from posttrain.train.checkpoint import Checkpoints
 from posttrain.train.engine import Engine
 from posttrain.train.evaluation import Schedule

@@ -1,0 +1,197 @@
+"""The config schema: the groups of a recipe as dataclasses, with defaults, one-line docs and range checks.
+
+Plain data that every layer may read; nothing here looks up a plugin or an engine. Names that must match a registry
+(`algorithm.name`, `rewards`, `rollout.engine`, `train.backend`) are checked when a config is loaded
+(`posttrain.config.load`), and the `algorithm` group is validated against the chosen plugin's own `Config` there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.core.aggregation import MODES
+from posttrain.core.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
+    dtype: str = "float32"
+    """Dtype of the weights: float32, bfloat16 or float16."""
+    ref_path: str | None = None
+    """Reference model directory for methods with a KL or a reference (GRPO β > 0, DPO, PPO); null: the start."""
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: must be float32, bfloat16 or float16 (got {self.dtype!r})")
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = 250
+    """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy."""
+    batch_size: int = 64
+    """Problems per warm-up step."""
+    lr: float = 3e-3
+    """Warm-up learning rate."""
+    hidden: int = 128
+    """Width of the embedded tiny model."""
+    layers: int = 4
+    """Transformer blocks of the embedded tiny model."""
+    cache_dir: str | None = None
+    """Where warmed-up models are kept and reused; null: $POSTTRAIN_CACHE or ~/.cache/posttrain."""
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk); null: the embedded task."""
+    test_path: str | None = None
+    """Held-out rows for evaluation, same format; null with `path` set: the last `eval.num_problems` rows of `path`."""
+    prompt_field: str = "question"
+    """Field holding the question."""
+    response_field: str = "answer"
+    """Field holding the target response (offline methods such as SFT)."""
+    answer_field: str = "answer"
+    """Field holding the reference answer the rule reward checks (a number, or text ending in `#### N`)."""
+    template: str = "Q: {prompt}\nA: "
+    """Prompt text around the question; `{prompt}` is replaced by it."""
+    max_prompt_len: int = 512
+    """Prompts longer than this many tokens keep their last tokens."""
+    max_response_len: int = 512
+    """Offline responses longer than this many tokens are cut."""
+    difficulty: int = 2
+    """Embedded task: operations per problem (1: a±b, 2: a±b±c, ...), one worked step each."""
+    max_operand: int = 9
+    """Embedded task: operands are drawn from 0..max_operand."""
+    train_size: int = 3000
+    """Embedded task: training problems."""
+    test_size: int = 500
+    """Embedded task: held-out problems, never in the training split."""
+    seed: int = 1234
+    """Embedded task: seed of the problem generator."""
+
+    def __post_init__(self):
+        if "{prompt}" not in self.template:
+            raise ConfigError(f"template: must contain {{prompt}} (got {self.template!r})")
+        for key in ("max_prompt_len", "max_response_len", "difficulty", "max_operand", "train_size", "test_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Sampling engine (`posttrain.rollout`): hf (transformers generate, colocated with the trainer)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are scored at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens: int = 64
+    """Token budget per completion; a completion without EOS by then is truncated."""
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps (× the algorithm's epochs per batch)."""
+    batch_size: int = 16
+    """Prompts (online methods) or rows (offline methods) per step, per process."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward; gradients are accumulated over the batch."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps, then constant."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 disables it."""
+    loss_agg: str = "seq_mean_token_mean"
+    """How per-token terms become the loss: seq_mean_token_mean (paper), token_mean (DAPO), seq_mean_token_sum_norm."""
+    loss_agg_norm: float | None = None
+    """Constant L of seq_mean_token_sum_norm (Dr. GRPO); null: rollout.max_new_tokens."""
+    save_every: int = 0
+    """Write a checkpoint every N steps under output_dir/checkpoints; 0: only the final model."""
+    backend: str = "ddp"
+    """How training is distributed (`posttrain.backends`): ddp (one process, or data parallel under torchrun)."""
+
+    def __post_init__(self):
+        if self.loss_agg not in MODES:
+            raise ConfigError(f"loss_agg: unknown mode {self.loss_agg!r}; known: {', '.join(MODES)}")
+        for key in ("steps", "batch_size", "micro_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0 (got {self.lr})")
+        for key in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be ≥ 0 (got {getattr(self, key)})")
+        if self.loss_agg_norm is not None and self.loss_agg_norm <= 0:
+            raise ConfigError(f"loss_agg_norm: must be > 0 (got {self.loss_agg_norm})")
+
+
+@dataclass
+class EvalConfig:
+    num_problems: int = 200
+    """Held-out problems scored by greedy decoding before and after training; 0 skips evaluation."""
+    every: int = 0
+    """Also evaluate every N steps (logged as eval_accuracy in metrics.jsonl); 0: before and after only."""
+    batch_size: int = 200
+    """Problems decoded at once."""
+    max_new_tokens: int | None = None
+    """Token budget per answer; null: rollout.max_new_tokens."""
+
+    def __post_init__(self):
+        for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key}: must be ≥ {low} (got {getattr(self, key)})")
+
+
+@dataclass
+class RewardModelConfig:
+    path: str | None = None
+    """Local sequence-classification model directory whose score is added to the rule rewards; null: none."""
+    weight: float = 1.0
+    """Weight of the reward model's score."""
+
+
+@dataclass
+class RunConfig:
+    description: str = ""
+    """One line saying what the recipe does (shown by `posttrain recipes`)."""
+    output_dir: str = "runs/run"
+    """Where config.yaml, metrics.jsonl, summary.json and the final model go."""
+    overwrite: bool = False
+    """Replace a non-empty output_dir (only once the new run has finished)."""
+    seed: int = 0
+    """Seed of the model init, sampling and data order; runs with the same seed repeat exactly on CPU."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: Any = None
+    """The method's own hyperparameters, validated against its plugin's Config; `name` picks the plugin."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
+    """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    """Where warm-ups and sample sets are cached: warmup.cache_dir, else $POSTTRAIN_CACHE, else ~/.cache/posttrain."""
+    root = cfg.warmup.cache_dir or os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain"
+    return Path(root)
