@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import torch
 
-from posttrain.core.errors import ConfigError
+from posttrain.core.registry import Registry
 
-REGISTRY: dict[str, type[Algorithm]] = {}
+REGISTRY = Registry("algorithm", "algorithm.name")  # name -> plugin class
 
 
 class Algorithm:
@@ -73,23 +72,4 @@ class Algorithm:
         raise NotImplementedError
 
 
-def register(name: str):
-    """Class decorator adding a plugin to the registry under `name`; a second plugin with the same name is an error."""
-
-    def add(cls: type[Algorithm]) -> type[Algorithm]:
-        if name in REGISTRY:
-            raise ValueError(f"algorithm {name!r} is registered twice ({REGISTRY[name].__module__}, {cls.__module__})")
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-def get(name: str) -> type[Algorithm]:
-    """The plugin registered as `name`; an unknown name is a ConfigError listing the known ones."""
-    if name not in REGISTRY:
-        near = difflib.get_close_matches(str(name), REGISTRY, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; {hint}known: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
+register, get = REGISTRY.register, REGISTRY.find

@@ -2,36 +2,18 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.registry import Registry
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]
-REWARDS: dict[str, RewardFn] = {}
+REWARDS = Registry("reward", "rewards")  # name -> reward function
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Function decorator adding a reward under `name`; a second reward with the same name is an error."""
-
-    def add(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward {name!r} is registered twice ({REWARDS[name].__module__}, {fn.__module__})")
-        REWARDS[name] = fn
-        return fn
-
-    return add
-
-
-def get(name: str) -> RewardFn:
-    """The reward registered as `name`; an unknown name is a ConfigError suggesting the nearest known one."""
-    if name not in REWARDS:
-        near = difflib.get_close_matches(str(name), REWARDS, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"reward {name!r} is unknown; {hint}known: {', '.join(sorted(REWARDS))}")
-    return REWARDS[name]
+register, get = REWARDS.register, REWARDS.find
 
 
 def combine(
@@ -48,12 +30,7 @@ def combine(
     if not weights:
         raise ConfigError("rewards: no reward named; give at least one, e.g. {accuracy: 1.0}")
     # Validate once, here, so a bad recipe fails before the first rollout rather than mid-training.
-    fns = {}
-    for name in weights:
-        try:
-            fns[name] = get(name)
-        except ConfigError as err:
-            raise ConfigError(f"rewards.{name}: {err}") from None
+    fns = {name: REWARDS.find(name, key=f"rewards.{name}") for name in weights}
     for name, w in weights.items():
         # bool is a Real subclass, but `accuracy: true` is a typo for a weight, not a weight.
         if isinstance(w, bool) or not isinstance(w, Real) or not math.isfinite(w):

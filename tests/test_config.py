@@ -45,7 +45,7 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", ["rollout.temperature=0"], "rollout.temperature: must be > 0"),
     ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),
     ("grpo_math", ["data.template=nothing"], "data.template: must contain {prompt}"),
-    ("grpo_math", ["rewards.foo=1"], "rewards.foo: reward 'foo' is unknown"),
+    ("grpo_math", ["rewards.foo=1"], "rewards.foo: unknown reward 'foo'"),
     ("grpo_math", ["rollout.engine=hff"], "rollout.engine: unknown rollout engine 'hff'; did you mean 'hf'?"),
     ("grpo_math", ["train.backend=zero9"], "train.backend: unknown backend 'zero9'"),
 ])

@@ -155,20 +155,22 @@ def test_combine_rejects_bad_weights(weights, message):
 def test_unknown_reward_suggests_nearest():
     with pytest.raises(ConfigError) as err:
         rewards.get("acuracy")
-    assert str(err.value) == "reward 'acuracy' is unknown; did you mean 'accuracy'? known: accuracy, format"
+    assert str(err.value) == "rewards: unknown reward 'acuracy'; did you mean 'accuracy'? known: accuracy, format"
 
 
-def test_registry_holds_builtins_and_rejects_duplicates(monkeypatch):
+def test_registry_holds_builtins_and_rejects_duplicates():
     assert rewards.get("accuracy") is accuracy and rewards.get("format") is format_reward
     with pytest.raises(ValueError, match="registered twice"):
-        rewards.register("accuracy")(lambda completions, answers: [0.0] * len(completions))
-    monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))  # keep the new name out of other tests
+        rewards.register("accuracy")(lambda completions, answers, prompts: [0.0] * len(completions))
+    try:
+        @rewards.register("length")
+        def length(completions, answers, prompts):
+            return [float(len(c)) for c in completions]
 
-    @rewards.register("length")
-    def length(completions, answers):
-        return [float(len(c)) for c in completions]
-
-    assert rewards.get("length") is length
+        assert rewards.get("length") is length
+        assert rewards.combine({"length": 1.0})(["abc"], ["3"], ["Q: 1+2"])[0] == [3.0]
+    finally:
+        rewards.REWARDS.pop("length", None)  # keep the new name out of other tests
 
 
 def test_fixture_has_40_rows():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from posttrain.core.errors import ConfigError
+from posttrain.core.registry import Registry
 
 
 @dataclass
@@ -76,26 +75,7 @@ class Backend:
         raise NotImplementedError
 
 
-BACKENDS: dict[str, type[Backend]] = {}
+BACKENDS = Registry("backend", "train.backend")  # name -> Backend subclass
 
 
-def register(name: str):
-    """Class decorator adding a backend under `name`; a second backend with the same name is an error."""
-
-    def add(cls: type[Backend]) -> type[Backend]:
-        if name in BACKENDS:
-            raise ValueError(f"backend {name!r} is registered twice")
-        cls.name = name
-        BACKENDS[name] = cls
-        return cls
-
-    return add
-
-
-def get(name: str) -> type[Backend]:
-    """The backend registered as `name`; an unknown name is a ConfigError listing the known ones."""
-    if name not in BACKENDS:
-        near = difflib.get_close_matches(str(name), BACKENDS, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"train.backend: unknown backend {name!r}; {hint}known: {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+register, get = BACKENDS.register, BACKENDS.find

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 import torch
 
 from posttrain.core.batch import Batch
-from posttrain.core.errors import ConfigError
+from posttrain.core.registry import Registry
 
 
 class RolloutEngine:
@@ -35,26 +34,7 @@ class RolloutEngine:
         raise NotImplementedError
 
 
-ENGINES: dict[str, type[RolloutEngine]] = {}
+ENGINES = Registry("rollout engine", "rollout.engine")  # name -> RolloutEngine subclass
 
 
-def register(name: str):
-    """Class decorator adding a rollout engine under `name`; a second engine with the same name is an error."""
-
-    def add(cls: type[RolloutEngine]) -> type[RolloutEngine]:
-        if name in ENGINES:
-            raise ValueError(f"rollout engine {name!r} is registered twice")
-        cls.name = name
-        ENGINES[name] = cls
-        return cls
-
-    return add
-
-
-def get(name: str) -> type[RolloutEngine]:
-    """The engine registered as `name`; an unknown name is a ConfigError listing the known ones."""
-    if name not in ENGINES:
-        near = difflib.get_close_matches(str(name), ENGINES, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"rollout.engine: unknown rollout engine {name!r}; {hint}known: {', '.join(ENGINES)}")
-    return ENGINES[name]
+register, get = ENGINES.register, ENGINES.find

@@ -5,11 +5,11 @@ from __future__ import annotations
 from posttrain.core.batch import Batch, collate
 from posttrain.data import RowSampler, prompt_ids, response_ids
 from posttrain.schema import DataConfig
+from posttrain.sources.base import Source, register
 
 
-class Offline:
-    on_policy = False
-    scores_reference = False
+@register("offline")
+class Offline(Source):
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size

@@ -9,20 +9,17 @@ from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RolloutConfig
+from posttrain.sources.base import Source, register
 
 
-class Online:
+@register("online")
+class Online(Source):
     on_policy = True
-    scores_reference = False
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int, rollout: RolloutEngine,
                  sampling: RolloutConfig, judge: Judge, n: int):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
-
-    @staticmethod
-    def row_fields(data) -> list[str]:
-        return [data.prompt_field, data.answer_field]
 
     @classmethod
     def from_deps(cls, d) -> Online:

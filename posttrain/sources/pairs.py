@@ -9,6 +9,7 @@ import torch
 from posttrain.core.batch import Batch, collate
 from posttrain.core.errors import DataError
 from posttrain.data import RowSampler, check_fields, prompt_ids, read_rows, response_ids
+from posttrain.sources.base import Source, register
 from posttrain.sources.samples import starting_samples_of
 
 
@@ -37,7 +38,8 @@ def pairs_from_samples(samples: list[dict]) -> tuple[list[dict], dict]:
     return pairs, {"dpo_pairs": float(len(pairs)), "dpo_skipped_prompts": float(len(by_prompt) - len(pairs))}
 
 
-class Pairs:
+@register("pairs")
+class Pairs(Source):
     """Rows interleaved [c0, r0, c1, r1, ...], reference log-probs precomputed once per pair.
 
     Args:
@@ -45,7 +47,6 @@ class Pairs:
         score_reference: [B, R] log π_ref of a batch; called here only, in chunks of `chunk_pairs` pairs.
     """
 
-    on_policy = False
     scores_reference = True  # the engine may free the reference model once this source is built
 
     def __init__(self, pairs: list[dict], stats: dict, score_reference: Callable[[Batch], torch.Tensor],
@@ -57,10 +58,6 @@ class Pairs:
             for j, pair in enumerate(chunk):
                 pair["ref"] = [logp[2 * j + s, : len(pair["responses"][s])].cpu() for s in (0, 1)]
         self.sampler = RowSampler(self.pairs, seed)
-
-    @staticmethod
-    def row_fields(data) -> list[str]:
-        return [data.prompt_field, data.answer_field]
 
     @classmethod
     def from_deps(cls, d) -> Pairs:

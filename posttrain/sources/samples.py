@@ -15,6 +15,7 @@ from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RolloutConfig
+from posttrain.sources.base import Source, register
 
 
 def starting_samples(rows: list[dict], k: int, *, tokenizer, data: DataConfig, rollout: RolloutEngine,
@@ -58,11 +59,10 @@ def starting_samples_of(d, k: int, num_prompts: int) -> list[dict]:
                             seed=d.seed, model_path=d.model_path, cache_dir=d.cache_dir)
 
 
-class SamplesOnce:
+@register("samples_once")
+class SamplesOnce(Source):
     """RFT: the starting model's correct samples, drawn like offline rows."""
 
-    on_policy = False
-    scores_reference = False
 
     def __init__(self, samples: list[dict], pad_id: int, batch_size: int, seed: int):
         self.kept = [s for s in samples if s["correct"]]
@@ -73,10 +73,6 @@ class SamplesOnce:
         self.sampler = RowSampler(self.kept, seed)
         self.stats = {"rft_samples": float(len(samples)), "rft_kept": float(len(self.kept)),
                       "rft_prompts_with_correct": float(len({s["prompt"] for s in self.kept}))}
-
-    @staticmethod
-    def row_fields(data) -> list[str]:
-        return [data.prompt_field, data.answer_field]
 
     @classmethod
     def from_deps(cls, d) -> SamplesOnce:

@@ -68,7 +68,7 @@ class Engine:
         sampler = backend.generation_model(self.policy)
         self.rollout = rollout.get(cfg.rollout.engine)(sampler, pad_id=self.tokenizer.pad_token_id,
                                                        stop_ids=stop_token_ids(sampler, self.tokenizer))
-        source = SOURCES[self.plugin.source]
+        source = SOURCES.find(self.plugin.source)
         # Samples of the current policy are scored at the sampling temperature; fixed responses at 1.
         self.temperature = cfg.rollout.temperature if source.on_policy else 1.0
         self.mode, self.norm = self.plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or

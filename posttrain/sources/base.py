@@ -1,0 +1,71 @@
+"""The data source interface (`Source`), its dependencies (`Deps`) and the registry of sources (`SOURCES`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.core.batch import Batch
+from posttrain.core.registry import Registry
+from posttrain.data import RowSampler
+from posttrain.judge import Judge
+from posttrain.rollout import RolloutEngine
+from posttrain.schema import DataConfig, RolloutConfig
+
+
+@dataclass(frozen=True)
+class Deps:
+    """Everything a data source may depend on. The engine fills it in; it holds no reference to the engine."""
+
+    rows: list[dict]  # training rows (all of them; `sampler` draws this process's shard)
+    sampler: RowSampler  # seeded draws of this process's shard of `rows`
+    tokenizer: Any
+    data: DataConfig
+    batch_size: int  # prompts or rows per step, per process
+    micro_batch_size: int  # sequences per forward
+    seed: int
+    algorithm: Any  # the plugin's config
+    samples_per_prompt: int  # the plugin's n for online sampling
+    rollout: RolloutEngine  # samples from the current policy
+    sampling: RolloutConfig  # temperature, top_p, max_new_tokens
+    judge: Judge
+    score_reference: Callable[[Batch], torch.Tensor] | None  # [B, R] log π_ref of a batch (None: no reference)
+    model_path: Path  # the starting model's directory (keys the cache of its samples)
+    cache_dir: Path
+    rank: int
+    world: int
+
+
+class Source:
+    """Where each step's batch comes from. Subclasses implement `from_deps` and `next`.
+
+    Attributes:
+        on_policy: the batch holds samples of the current policy (log-probs are scored at the sampling temperature).
+        scores_reference: the source computes the reference log-probs itself (the engine then frees the reference).
+    """
+
+    name: str = ""
+    on_policy: bool = False
+    scores_reference: bool = False
+
+    @staticmethod
+    def row_fields(data: DataConfig) -> list[str]:
+        """The fields of a data row the source reads, checked on every row before training starts."""
+        return [data.prompt_field, data.answer_field]
+
+    @classmethod
+    def from_deps(cls, deps: Deps) -> Source:
+        """The source, taking from `deps` only what it uses."""
+        raise NotImplementedError
+
+    def next(self) -> tuple[Batch, dict]:
+        """The step's batch (on the CPU) and metrics of its data."""
+        raise NotImplementedError
+
+
+SOURCES = Registry("data source", "algorithm.source")  # name -> Source subclass; a plugin's `source` names one
+register = SOURCES.register
