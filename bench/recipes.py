@@ -41,7 +41,7 @@ def main() -> int:
                      warm.get("seconds", 0.0) if not warm.get("cached", True) else 0.0, s["peak_rss_mb"],
                      sum(s["memory"]["roles_bytes"].values()) / 2**20, time.perf_counter() - t0))
         print(f"{recipe}: {rows[-1][1]:.3f} -> {rows[-1][2]:.3f}", file=sys.stderr)
-    print("| recipe | accuracy before | after | change | steps | wall s (run) | of which warm-up s | peak RSS MiB | "
+    print("| recipe | accuracy before | after | change | steps | wall s (run) | warm-up s (before the run) | peak RSS MiB | "
           "model state + batch MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r, before, after, steps, wall, warm, rss, roles, _ in rows:
