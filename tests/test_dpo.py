@@ -92,6 +92,19 @@ def test_hand_worked_pair():
     assert math.isclose(1 / (1 + math.e), 0.26894142, abs_tol=1e-8)
 
 
+def test_policy_equal_to_reference():
+    """At the start of training πθ = π_ref, so ℓ± = 0 and z = 0: no pair is preferred yet (pair_accuracy counts
+    z > 0 only), the loss is log 2 = 0.69314718, w = σ(0) = 0.5 and GC = ±2·β·0.5 = ±β."""
+    batch, _ = random_batch()
+    cfg = DPOConfig(beta=0.3)
+    gc, metrics = DPO.coefficient(batch, batch.ref_logp.clone(), cfg)
+    torch.testing.assert_close(metrics["pair_accuracy"], torch.tensor(0.0))
+    torch.testing.assert_close(metrics["reward_margin"], torch.tensor(0.0))
+    torch.testing.assert_close(metrics["dpo_loss"], torch.tensor(0.69314718))
+    sign = torch.tensor([1.0, -1.0] * 4)[:, None]
+    torch.testing.assert_close(gc, 0.3 * sign * batch.mask)
+
+
 def test_pairs_are_independent():
     """GC of a pair does not depend on the other pairs, so any split into whole pairs gives the same coefficients."""
     cfg = DPOConfig(beta=0.3, length_normalize=True)

@@ -1,13 +1,14 @@
 """GRPO: group advantages by hand, and the surrogate gradient against autograd on Eq. 3 + Eq. 4 written out."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
 from posttrain.algorithms import get
-from posttrain.algorithms.grpo import GRPOConfig, group_advantages
+from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_stats
 from posttrain.core.aggregation import MODES
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -24,6 +25,29 @@ def test_group_advantages_hand_worked():
     torch.testing.assert_close(adv, torch.tensor([0.86603, 0.0, -0.86603, -0.86603, 0.0, 0.86603]), atol=1e-4, rtol=0)
     unscaled = group_advantages(reward, group, scale_std=False, eps=1e-4)
     torch.testing.assert_close(unscaled, torch.tensor([0.5, 0.0, -0.5, -0.5, 0.0, 0.5]))
+
+
+def test_group_of_one_has_zero_advantage():
+    """A group with one sample has nothing to compare with: its std is taken as 0 and its Â is 0 (not NaN).
+    Group 0 rewards [1, 0]: mean 0.5, unbiased std √(2·0.25/1) = 0.70711, Â = ±0.70711."""
+    reward = torch.tensor([1.0, 0.0, 1.0])
+    group = torch.tensor([0, 0, 7])
+    _, std = group_stats(reward, group)
+    torch.testing.assert_close(std, torch.tensor([0.70711, 0.70711, 0.0]), atol=1e-5, rtol=0)
+    adv = group_advantages(reward, group, scale_std=True, eps=1e-4)
+    torch.testing.assert_close(adv, torch.tensor([0.70701, -0.70701, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_prepare_metrics_hand_worked():
+    """The rewards of the hand-worked case: group 0 has std 0.57735 (4 samples), group 1 std 0 (2 samples).
+    reward_std is the mean over samples, (4·0.57735 + 2·0)/6 = 0.38490; zero_std_frac = 2/6."""
+    reward = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 1, 0, 0, 1, 0])
+    batch = Batch(input_ids=torch.zeros(6, 4, dtype=torch.long), attention_mask=torch.ones(6, 4), mask=torch.ones(6, 2),
+                  prompt_len=2, group=group, reward=reward, truncated=torch.zeros(6, dtype=torch.bool))
+    _, metrics = GRPO.prepare(batch, GRPOConfig(group_size=2))
+    torch.testing.assert_close(metrics["reward_std"], torch.tensor(0.38490), atol=1e-5, rtol=0)
+    torch.testing.assert_close(metrics["zero_std_frac"], torch.tensor(1 / 3))
 
 
 def random_batch(B=6, R=5, G=3, seed=0, spread=0.0):
@@ -84,6 +108,29 @@ def test_mu1_coefficient_is_paper_form():
     prepared, _ = GRPO.prepare(batch, cfg)
     gc, _ = GRPO.coefficient(prepared, logp, cfg)
     torch.testing.assert_close(gc, prepared.adv[:, None] + 0.05 * (torch.exp(batch.ref_logp - logp) - 1))
+
+
+def test_beta0_needs_no_reference():
+    """With β = 0 the engine loads no reference, so ref_logp is None: GC is Â·ρ alone and no kl is reported."""
+    cfg = GRPOConfig(group_size=3, beta=0.0)
+    batch, logp = random_batch()
+    prepared, _ = GRPO.prepare(dataclasses.replace(batch, ref_logp=None), cfg)
+    gc, metrics = GRPO.coefficient(prepared, logp, cfg)
+    torch.testing.assert_close(gc, prepared.adv[:, None].expand_as(logp))
+    assert "kl" not in metrics
+
+
+def test_kl_metric_hand_worked():
+    """k3 per token, π_ref/πθ − log(π_ref/πθ) − 1: for π_ref/πθ = 2 it is 2 − ln 2 − 1 = 0.30685, for π_ref/πθ = 4
+    it is 4 − ln 4 − 1 = 1.61371, and 0 where the two agree. Masked mean over the 3 response tokens (the 4th column is
+    padding holding a large log-ratio): (0.30685 + 1.61371 + 0)/3 = 0.64019. GC with Â = 0 is β(π_ref/πθ − 1)."""
+    logp = torch.tensor([[-1.0, -2.0, -1.0, -1.0]])
+    ref = logp + torch.tensor([[math.log(2), math.log(4), 0.0, 5.0]])
+    batch = Batch(input_ids=torch.zeros(1, 6, dtype=torch.long), attention_mask=torch.ones(1, 6),
+                  mask=torch.tensor([[1.0, 1.0, 1.0, 0.0]]), prompt_len=2, adv=torch.zeros(1), ref_logp=ref)
+    gc, metrics = GRPO.coefficient(batch, logp, GRPOConfig(group_size=2, beta=0.1))
+    torch.testing.assert_close(metrics["kl"], torch.tensor(0.64019), atol=1e-5, rtol=0)
+    torch.testing.assert_close(gc[0, :3], torch.tensor([0.1, 0.3, 0.0]))
 
 
 def test_mask_truncated():

@@ -90,6 +90,32 @@ def test_whiten():
     assert (w[mask == 0] == 0).all()
 
 
+def test_whiten_constant_is_zero():
+    """All advantages equal (e.g. one response token in the batch): variance 0, so the eps keeps the result 0."""
+    mask = make_mask()
+    w = whiten(torch.full((6, 5), 3.0), mask)
+    assert torch.isfinite(w).all() and (w == 0).all()
+
+
+def test_clipped_coefficient_hand_worked():
+    """ε = 0.2, ratios ρ = [0.7, 1.0, 1.3] in each row. GC = A·ρ where min(ρA, clip(ρ, 0.8, 1.2)A) keeps ρA:
+    A = +2: ρ = 1.3 > 1.2 is clipped -> GC [1.4, 2, 0];  A = −1: ρ = 0.7 < 0.8 is clipped -> GC [0, −1, −1.3];
+    A = 0: GC 0 and nothing counts as clipped, though ρ leaves the range. clip_frac = 2 clipped / 9 tokens.
+    With ε_high = 0.4 the upper bound is 1.4, so ρ = 1.3 with A = +2 is kept (GC 2.6); the lower bound stays 0.8."""
+    rho = torch.tensor([0.7, 1.0, 1.3]).expand(3, 3)
+    old = -torch.ones(3, 3)
+    logp = old + torch.log(rho)
+    adv = torch.tensor([[2.0], [-1.0], [0.0]])
+    mask = torch.ones(3, 3)
+    gc, metrics = ppo.clipped_coefficient(adv, logp, old, mask, 0.2, None)
+    torch.testing.assert_close(gc, torch.tensor([[1.4, 2.0, 0.0], [0.0, -1.0, -1.3], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(metrics["clip_frac"], torch.tensor(2 / 9))
+    torch.testing.assert_close(metrics["ratio"], torch.tensor(1.0))
+    gc, metrics = ppo.clipped_coefficient(adv, logp, old, mask, 0.2, 0.4)
+    torch.testing.assert_close(gc, torch.tensor([[1.4, 2.0, 2.6], [0.0, -1.0, -1.3], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(metrics["clip_frac"], torch.tensor(1 / 9))
+
+
 def random_batch(seed=0, spread=0.0):
     """Random log-probs and values; `spread` > 0 moves π_old away from πθ so ratios leave [1 − ε, 1 + ε]."""
     g = torch.Generator().manual_seed(seed)
@@ -118,6 +144,48 @@ def test_prepare():
     torch.testing.assert_close(metrics["seq_reward"], batch.reward.mean())
     whitened, _ = PPO.prepare(batch, PPOConfig())
     assert (whitened.adv[batch.mask == 0] == 0).all() and abs(masked_mean(whitened.adv, batch.mask)) < 1e-6
+
+
+def shaped_reward_loop(reward, old, ref, mask, beta):
+    """Eq. 2 written out: −β(log π_old − log π_ref) on each response token, r_φ added at the last one."""
+    out = torch.zeros_like(old)
+    for i in range(old.shape[0]):
+        n = int(mask[i].sum())
+        for t in range(n):
+            out[i, t] = (-beta * (old[i, t] - ref[i, t]) if ref is not None else 0.0) + (reward[i] if t == n - 1 else 0)
+    return out
+
+
+@pytest.mark.parametrize("whiten_advantages", [False, True], ids=["raw", "whitened"])
+def test_prepare_gae_with_critic(whiten_advantages):
+    """γ = 0.9, λ = 0.5 (different, so swapping them shows) and the critic's V_old: A and R are GAE of the shaped
+    reward by the loop above; whitened A is (A − mean)/std over response tokens with the population std."""
+    batch, _ = random_batch(seed=3)
+    cfg = PPOConfig(beta=0.1, gamma=0.9, lam=0.5, whiten_advantages=whiten_advantages)
+    prepared, metrics = PPO.prepare(batch, cfg)
+    shaped = shaped_reward_loop(batch.reward, batch.old_logp, batch.ref_logp, batch.mask, 0.1)
+    adv, ret = gae_loop(shaped, batch.extra["values"], batch.mask, 0.9, 0.5)
+    torch.testing.assert_close(prepared.extra["returns"], ret)
+    if whiten_advantages:
+        tokens = adv[batch.mask == 1]
+        mean = tokens.mean()
+        std = ((tokens - mean) ** 2).mean().sqrt()
+        adv = (adv - mean) / std * batch.mask
+    torch.testing.assert_close(prepared.adv, adv)
+    torch.testing.assert_close(metrics["value"], batch.extra["values"][batch.mask == 1].mean())
+    torch.testing.assert_close(metrics["returns"], ret[batch.mask == 1].mean())
+
+
+def test_prepare_beta0_needs_no_reference():
+    """With β = 0 no reference is loaded (ref_logp None): the shaped reward is r_φ at the last token alone."""
+    batch, _ = random_batch()
+    batch.ref_logp = None
+    cfg = PPOConfig(beta=0.0, gamma=1.0, lam=1.0, whiten_advantages=False)
+    prepared, metrics = PPO.prepare(batch, cfg)
+    shaped = shaped_reward_loop(batch.reward, batch.old_logp, None, batch.mask, 0.0)
+    adv, _ = gae_loop(shaped, batch.extra["values"], batch.mask, 1.0, 1.0)
+    torch.testing.assert_close(prepared.adv, adv)
+    assert "kl" not in metrics
 
 
 def clipped_objective(adv, batch, cfg, mode, norm):
@@ -181,6 +249,37 @@ def test_critic_metrics_perfect_critic():
     prepared, _ = PPO.prepare(batch, PPOConfig())
     _, metrics = PPO.critic_loss(prepared, prepared.extra["returns"].clone(), PPOConfig())
     assert metrics["value_error"] == 0 and metrics["explained_variance"] == 1
+
+
+def critic_batch(old, returns):
+    B, R = old.shape
+    return Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2),
+                 mask=torch.ones(B, R), prompt_len=2, extra={"values": old, "returns": returns})
+
+
+def test_critic_loss_hand_worked():
+    """ε_v = 0.2, V_old = 0. Per token V, R -> 0.5·max((V − R)², (clip(V, −0.2, 0.2) − R)²):
+    V = 0.1, R = 0: inside the clip range, both terms 0.01 (a tie: the clip removed nothing) -> 0.005;
+    V = 0.5, R = 1: 0.25 vs (0.2 − 1)² = 0.64 -> 0.32, the clip removed the gradient;
+    V = −0.5, R = 1: 2.25 vs 1.44 -> 1.125;   V = 0.3, R = 0: 0.09 vs 0.04 -> 0.045;
+    V = −0.5, R = −1: 0.25 vs (−0.2 + 1)² = 0.64 -> 0.32, clipped from below.
+    value_clip_frac = 2/5; value_error = mean |R − V| = (0.1 + 0.5 + 1.5 + 0.3 + 0.5)/5 = 0.58."""
+    values = torch.tensor([[0.1, 0.5, -0.5, 0.3, -0.5]])
+    returns = torch.tensor([[0.0, 1.0, 1.0, 0.0, -1.0]])
+    loss, metrics = PPO.critic_loss(critic_batch(torch.zeros(1, 5), returns), values, PPOConfig(value_clip=0.2))
+    torch.testing.assert_close(loss, torch.tensor([[0.005, 0.32, 1.125, 0.045, 0.32]]))
+    torch.testing.assert_close(metrics["value_clip_frac"], torch.tensor(0.4))
+    torch.testing.assert_close(metrics["value_error"], torch.tensor(0.58))
+
+
+def test_explained_variance_hand_worked():
+    """R = [0.5, 1, 1.5, 2] (variance 0.3125), V = [0.5, 1, 1.5, 1.5]: R − V = [0, 0, 0, 0.5] has variance
+    0.046875, so explained_variance = 1 − 0.046875/0.3125 = 0.85."""
+    returns = torch.tensor([[0.5, 1.0, 1.5, 2.0]])
+    values = torch.tensor([[0.5, 1.0, 1.5, 1.5]])
+    _, metrics = PPO.critic_loss(critic_batch(values.clone(), returns), values, PPOConfig())
+    torch.testing.assert_close(metrics["explained_variance"], torch.tensor(0.85))
+    torch.testing.assert_close(metrics["value_error"], torch.tensor(0.125))
 
 
 def test_plugin_contract():

@@ -43,6 +43,10 @@ def test_online_threshold():
     batch = batch_with([0.4, 0.6, 1.0, 0.0], MASK)
     gc, metrics = plugin.coefficient(batch, torch.zeros(4, 4), OnlineRFTConfig(threshold=0.5))
     assert gc[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0] and metrics["correct_frac"].item() == 0.5
+    # One-token responses (R = 1): I(o) is the same, one column wide.
+    gc, metrics = plugin.coefficient(batch_with([0.4, 0.6, 1.0, 0.0], MASK[:, :1]), torch.zeros(4, 1),
+                                     OnlineRFTConfig(threshold=0.5))
+    assert gc.tolist() == [[0.0], [1.0], [1.0], [0.0]] and metrics["correct_frac"].item() == 0.5
 
 
 def test_sources_and_needs():

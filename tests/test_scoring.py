@@ -5,7 +5,7 @@ import torch
 
 from posttrain.core.batch import collate
 from posttrain.models.loading import load
-from posttrain.models.scoring import naive_token_logprobs, token_logprobs
+from posttrain.models.scoring import naive_token_logprobs, position_ids, token_logprobs, token_values
 
 
 @pytest.fixture(scope="module")
@@ -55,4 +55,75 @@ def test_without_logits_to_keep(model_and_batch):
     with torch.no_grad():
         ours = token_logprobs(Plain(model), b.input_ids, b.attention_mask, b.prompt_len)
         naive = naive_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len)
+    torch.testing.assert_close(ours * b.mask, naive * b.mask, atol=1e-5, rtol=1e-5)
+
+
+def rows_unpadded(b):
+    """Each row of the batch as (prompt ids, response ids) without any padding."""
+    for i in range(len(b)):
+        prompt = b.input_ids[i, : b.prompt_len][b.attention_mask[i, : b.prompt_len] == 1]
+        yield prompt, b.input_ids[i, b.prompt_len :][b.mask[i] == 1]
+
+
+def test_position_ids_skip_left_padding():
+    """Real tokens count from 0 after the left padding, as `generate` numbers them."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
+    got = position_ids(mask)
+    assert got[mask == 1].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, model_and_batch):
+    """A policy and a critic of two kinds: Llama (rotary positions, where only position differences matter) and
+    GPT-2 (learned absolute positions, where a shifted numbering changes every output)."""
+    from transformers import GPT2Config, GPT2ForTokenClassification, GPT2LMHeadModel
+
+    policy, _ = model_and_batch
+    tok = load(tiny_model_dir)[1]
+    torch.manual_seed(0)
+    critic, _ = load(tiny_model_dir, "critic")
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, num_labels=1,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return {"llama": (policy, critic), "gpt2": (GPT2LMHeadModel(cfg).eval(), GPT2ForTokenClassification(cfg).eval())}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_each_sequence_alone(models, model_and_batch, arch, temperature):
+    """Padding changes nothing: each row's log-probs are those of its unpadded sequence scored alone, where the model
+    numbers positions from 0 by itself: log softmax(logits/τ) at position |q| − 1 + t, taken at response token t."""
+    model, _ = models[arch]
+    _, b = model_and_batch
+    with torch.no_grad():
+        ours = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, temperature=temperature)
+        for i, (prompt, response) in enumerate(rows_unpadded(b)):
+            seq = torch.cat([prompt, response])[None]
+            logp = torch.log_softmax(model(input_ids=seq).logits[0].float() / temperature, dim=-1)  # [n, V]
+            want = logp[len(prompt) - 1 : -1].gather(-1, response[:, None]).squeeze(-1)
+            torch.testing.assert_close(ours[i, : len(response)], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_values_are_the_state_before_each_token(models, model_and_batch, arch):
+    """V_t is the critic's output at the position of the token before response token t (the state q, o_<t), the
+    same for a padded row as for the row scored alone."""
+    _, critic = models[arch]
+    _, b = model_and_batch
+    with torch.no_grad():
+        values = token_values(critic, b.input_ids, b.attention_mask, b.prompt_len)
+        assert values.shape == b.mask.shape and values.dtype == torch.float32
+        for i, (prompt, response) in enumerate(rows_unpadded(b)):
+            out = critic(input_ids=torch.cat([prompt, response])[None]).logits[0, :, 0]  # [n]
+            torch.testing.assert_close(values[i, : len(response)], out[len(prompt) - 1 : -1], atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_scores_in_float32(tiny_model_dir, model_and_batch):
+    """A bfloat16 model's logits are upcast before the log-normaliser: float32 log-probs equal to the float32
+    log_softmax of the same logits."""
+    _, b = model_and_batch
+    model, _ = load(tiny_model_dir, dtype="bfloat16")
+    with torch.no_grad():
+        ours = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, chunk_rows=5)
+        naive = naive_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len)
+    assert ours.dtype == torch.float32
     torch.testing.assert_close(ours * b.mask, naive * b.mask, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,410 @@
+"""Fault injection (mutation testing) for the code that the invariant tests guard.
+
+    python bench/mutants.py                 # every mutant; about 7 minutes on 2 CPU cores
+    python bench/mutants.py --list          # the mutant list, nothing run
+    python bench/mutants.py grpo-pop-std    # only the named mutants (ids, or prefixes ending in '*': 'dpo-*')
+    python bench/mutants.py --markdown out.md
+
+Run it from the repository root with the project's environment active, in a clean work tree. Each mutant is one
+textual edit of one guarded file: `old` must occur exactly once in the file and is replaced by `new`. The file is
+restored from memory afterwards, even on Ctrl-C. The mutant is run against the fast unit tests, its own module's test
+file first, stopping at the first failure (`pytest -x`); aggregation mutants also run the engine's micro-batch
+invariance test. A mutant is killed when pytest exits non-zero. A mutant marked `equivalent` carries the reason it
+cannot change observable behaviour; it is expected to survive.
+
+Exit status: 0 when every mutant not marked equivalent is killed and every one marked equivalent survives, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
+        "tests/test_aggregation.py", "tests/test_scoring.py"]
+ENGINE = "tests/test_engine.py::test_gradient_invariant_to_micro_batches"
+# Each guarded file's own tests first, so the test named as the killer is the nearest one.
+FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/registry.py": ["tests/test_algorithms.py"],
+         "algorithms/sft.py": ["tests/test_sft.py"], "algorithms/rft.py": ["tests/test_rft.py"],
+         "algorithms/online_rft.py": ["tests/test_rft.py"], "algorithms/dpo.py": ["tests/test_dpo.py"],
+         "algorithms/ppo.py": ["tests/test_ppo.py", "tests/test_grpo.py"], "algorithms/grpo.py": ["tests/test_grpo.py"],
+         "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
+         "posttrain/models/scoring.py": ["tests/test_scoring.py"]}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    path: str
+    func: str
+    what: str
+    old: str
+    new: str
+    equivalent: str | None = None  # why the mutant cannot change observable behaviour
+
+
+def m(id, path, func, what, old, new, equivalent=None):
+    return Mutant(id, path, func, what, old, new, equivalent)
+
+
+A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", "algorithms/rft.py",
+                                     "algorithms/online_rft.py", "algorithms/dpo.py", "algorithms/ppo.py",
+                                     "algorithms/grpo.py")
+AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
+REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
+
+MUTANTS = [
+    # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
+    m("base-needs", A, "Algorithm.needs", "default needs asks for a reward",
+      "        return frozenset()\n", '        return frozenset({"reward"})\n'),
+    m("base-samples", A, "Algorithm.samples_per_prompt", "default 1 -> 2 samples per prompt",
+      '"""Completions sampled per prompt by an online source."""\n        return 1',
+      '"""Completions sampled per prompt by an online source."""\n        return 2'),
+    m("base-epochs", A, "Algorithm.epochs", "default 1 -> 2 epochs",
+      '"""Optimizer steps taken on each batch (μ in the paper)."""\n        return 1',
+      '"""Optimizer steps taken on each batch (μ in the paper)."""\n        return 2'),
+    m("base-minibatches", A, "Algorithm.minibatches", "default 1 -> 2 minibatches",
+      'this many minibatches."""\n        return 1', 'this many minibatches."""\n        return 2'),
+    m("base-aggregation", A, "Algorithm.aggregation", "default fixes token_mean instead of deferring to train.loss_agg",
+      'None uses `train.loss_agg`."""\n        return None', 'None uses `train.loss_agg`."""\n        return ("token_mean", 1.0)'),
+    m("base-register-dup", REG, "Registry.register", "a second plugin under a taken name replaces the first",
+      "            if name in self:\n                raise", "            if False:\n                raise"),
+    m("base-get-unknown", REG, "Registry.find", "an unknown name gives None instead of a ConfigError",
+      "        if name not in self:\n            near", "        if name not in self:\n            return None\n            near"),
+    # algorithms/sft.py
+    m("sft-gc-zero", SFT, "SFT.coefficient", "GC = 0 instead of 1", "torch.ones_like(logp)", "torch.zeros_like(logp)"),
+    m("sft-gc-half", SFT, "SFT.coefficient", "GC = 0.5 instead of 1", "torch.ones_like(logp)", "0.5 * torch.ones_like(logp)"),
+    # algorithms/rft.py and online_rft.py
+    m("rft-threshold-gt", RFT, "indicator_coefficient", "reward >= threshold -> reward > threshold",
+      "batch.reward >= threshold", "batch.reward > threshold"),
+    m("rft-threshold-flip", RFT, "indicator_coefficient", "reward >= threshold -> reward <= threshold",
+      "batch.reward >= threshold", "batch.reward <= threshold"),
+    m("rft-threshold-half", RFT, "RFT.coefficient", "RFT's threshold 1.0 -> 0.5",
+      "indicator_coefficient(batch, logp, 1.0)", "indicator_coefficient(batch, logp, 0.5)",
+      equivalent="RFT's source keeps only correct samples and sets reward = 1 on every row "
+                 "(posttrain/sources/samples.py), so any threshold in (0, 1] gives GC = 1"),
+    m("rft-gc-reward", RFT, "indicator_coefficient", "GC = the reward itself instead of I(reward >= threshold)",
+      "correct = (batch.reward >= threshold).to(logp.dtype)", "correct = batch.reward.to(logp.dtype)"),
+    m("orft-threshold-ignored", ORFT, "OnlineRFT.coefficient", "threshold fixed at 1.0 instead of cfg.threshold",
+      "indicator_coefficient(batch, logp, cfg.threshold)", "indicator_coefficient(batch, logp, 1.0)"),
+    m("orft-correct-frac-col1", ORFT, "OnlineRFT.coefficient", "correct_frac read from column 1",
+      '"correct_frac": gc[:, 0].mean()', '"correct_frac": gc[:, 1].mean()'),
+    m("orft-correct-frac-all", ORFT, "OnlineRFT.coefficient", "correct_frac as the mean over all [B, R] entries",
+      '"correct_frac": gc[:, 0].mean()', '"correct_frac": gc.mean()',
+      equivalent="GC is I(o) broadcast along each row, so the mean over all entries equals the mean of column 0"),
+    # algorithms/dpo.py
+    m("dpo-no-factor-2", DPO, "DPO.coefficient", "the factor 2 dropped from GC", "gc = (2 * cfg.beta", "gc = (cfg.beta"),
+    m("dpo-no-beta", DPO, "DPO.coefficient", "β dropped from GC (2w instead of 2βw)", "gc = (2 * cfg.beta * w",
+      "gc = (2 * w"),
+    m("dpo-sign-swap", DPO, "DPO.coefficient", "sign [+1, −1] -> [−1, +1]", "torch.tensor([1.0, -1.0]",
+      "torch.tensor([-1.0, 1.0]"),
+    m("dpo-margin-swap", DPO, "DPO.coefficient", "z = β(ℓ⁻ − ℓ⁺)", "z = cfg.beta * (chosen - rejected)",
+      "z = cfg.beta * (rejected - chosen)"),
+    m("dpo-sigmoid-z", DPO, "DPO.coefficient", "w = σ(z) instead of σ(−z)",
+      "w = (1 - eps) * torch.sigmoid(-z)", "w = (1 - eps) * torch.sigmoid(z)"),
+    m("dpo-smoothing-sign", DPO, "DPO.coefficient", "cDPO term − ε σ(z) -> + ε σ(z)", "- eps * torch.sigmoid(z)",
+      "+ eps * torch.sigmoid(z)"),
+    m("dpo-logratio-no-mask", DPO, "DPO.coefficient", "padding tokens summed into ℓ (`* mask` dropped)",
+      "logratio = ((logp - batch.ref_logp) * batch.mask).sum(-1)", "logratio = (logp - batch.ref_logp).sum(-1)"),
+    m("dpo-logratio-no-ref", DPO, "DPO.coefficient", "ℓ from log πθ alone (reference dropped)",
+      "logratio = ((logp - batch.ref_logp) * batch.mask).sum(-1)", "logratio = (logp * batch.mask).sum(-1)"),
+    m("dpo-norm-by-R", DPO, "DPO.coefficient", "Eq. 12 divides by the padded width R, not |o|",
+      "logratio = logratio / length", "logratio = logratio / R"),
+    m("dpo-norm-flag", DPO, "DPO.coefficient", "length_normalize inverted", "if cfg.length_normalize:",
+      "if not cfg.length_normalize:"),
+    m("dpo-pair-layout", DPO, "DPO.coefficient", "pairs read as [all chosen, all rejected] instead of interleaved",
+      "logratio.view(B // 2, 2).unbind(-1)", "logratio.view(2, B // 2).unbind(0)"),
+    m("dpo-gc-no-mask", DPO, "DPO.coefficient", "GC not masked on padding", ".reshape(B, 1) * batch.mask",
+      ".reshape(B, 1).expand(B, R)"),
+    m("dpo-agg-swap", DPO, "DPO.aggregation", "sum and mean aggregations swapped",
+      '("seq_mean_token_mean", 1.0) if cfg.length_normalize else ("seq_mean_token_sum_norm", 1.0)',
+      '("seq_mean_token_sum_norm", 1.0) if cfg.length_normalize else ("seq_mean_token_mean", 1.0)'),
+    m("dpo-loss-metric", DPO, "DPO.coefficient", "dpo_loss metric with σ(−z) and σ(z) swapped",
+      "loss = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)",
+      "loss = -(1 - eps) * F.logsigmoid(-z) - eps * F.logsigmoid(z)"),
+    m("dpo-accuracy-ge", DPO, "DPO.coefficient", "pair_accuracy counts z = 0 as correct", "(z > 0).to(", "(z >= 0).to(",
+),
+    # algorithms/grpo.py
+    m("grpo-pop-std", GRPO, "group_stats", "population std instead of unbiased", "/ (size - 1).clamp(min=1)",
+      "/ size"),
+    m("grpo-std-no-clamp", GRPO, "group_stats", "no clamp on size − 1 (a group of one divides by 0)",
+      "/ (size - 1).clamp(min=1)", "/ (size - 1)"),
+    m("grpo-mean-denominator", GRPO, "group_stats", "group mean divided by size − 1", "reward) / size  #",
+      "reward) / (size - 1)  #"),
+    m("grpo-std-no-sqrt", GRPO, "group_stats", "variance used as the std", "var.sqrt()[idx]", "var[idx]"),
+    m("grpo-stats-global", GRPO, "group_stats", "mean over the whole batch instead of the group",
+      "return mean[idx], var.sqrt()[idx]", "return reward.mean().expand_as(reward), var.sqrt()[idx]"),
+    m("grpo-no-eps", GRPO, "group_advantages", "eps dropped from the std", "/ (std + eps) if scale_std",
+      "/ std if scale_std"),
+    m("grpo-scale-flag", GRPO, "group_advantages", "scale_std inverted", "if scale_std else", "if not scale_std else"),
+    m("grpo-no-centre", GRPO, "group_advantages", "mean not subtracted when scaling",
+      "(reward - mean) / (std + eps)", "reward / (std + eps)"),
+    m("grpo-truncated-flip", GRPO, "GRPO.prepare", "mask_truncated keeps only the truncated completions",
+      "(~batch.truncated)", "(batch.truncated)"),
+    m("grpo-zero-std-metric", GRPO, "GRPO.prepare", "zero_std_frac counts groups with spread", "(std == 0)",
+      "(std > 0)"),
+    m("grpo-ignore-old", GRPO, "GRPO.coefficient", "ratio against logp itself even when old_logp is stored",
+      "old_logp = batch.old_logp if batch.old_logp is not None else logp", "old_logp = logp"),
+    m("grpo-kl-inverted", GRPO, "GRPO.coefficient", "KL coefficient with πθ/π_ref instead of π_ref/πθ",
+      "ref_ratio = torch.exp(batch.ref_logp - logp)", "ref_ratio = torch.exp(logp - batch.ref_logp)"),
+    m("grpo-kl-sign", GRPO, "GRPO.coefficient", "KL term added with the wrong sign",
+      "gc = gc + cfg.beta * (ref_ratio - 1)", "gc = gc - cfg.beta * (ref_ratio - 1)"),
+    m("grpo-kl-no-minus-1", GRPO, "GRPO.coefficient", "β π_ref/πθ without the − 1",
+      "gc = gc + cfg.beta * (ref_ratio - 1)", "gc = gc + cfg.beta * ref_ratio"),
+    m("grpo-beta-ge", GRPO, "GRPO.coefficient", "the KL branch also runs at β = 0", "        if cfg.beta > 0:\n",
+      "        if cfg.beta >= 0:\n"),
+    m("grpo-kl-metric", GRPO, "GRPO.coefficient", "kl metric as k1 (−log ratio) instead of k3",
+      "masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)", "masked_mean(-torch.log(ref_ratio), batch.mask)"),
+    m("grpo-kl-metric-sign", GRPO, "GRPO.coefficient", "kl metric with + log instead of − log",
+      "ref_ratio - torch.log(ref_ratio) - 1, batch.mask", "ref_ratio + torch.log(ref_ratio) - 1, batch.mask"),
+    m("grpo-needs-ref", GRPO, "GRPO.needs", "reference asked for at β = 0", '({"ref_logp"} if cfg.beta > 0',
+      '({"ref_logp"} if cfg.beta >= 0'),
+    m("grpo-needs-old", GRPO, "GRPO.needs", "old log-probs asked for at μ = 1", '({"old_logp"} if cfg.mu > 1',
+      '({"old_logp"} if cfg.mu >= 1'),
+    # algorithms/ppo.py: clipped_coefficient (PPO and GRPO)
+    m("clip-swap-eps", PPO, "clipped_coefficient", "clip_eps and clip_eps_high swapped",
+      "high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)\n"
+      "    unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)",
+      "high = 1 + clip_eps\n    unclipped = torch.where(adv > 0, ratio <= high, "
+      "ratio >= 1 - (clip_eps_high if clip_eps_high is not None else clip_eps))"),
+    m("clip-high-ignored", PPO, "clipped_coefficient", "clip_eps_high ignored",
+      "high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)", "high = 1 + clip_eps"),
+    m("clip-inverted-ratio", PPO, "clipped_coefficient", "ρ = π_old/πθ", "ratio = torch.exp(logp - old_logp)",
+      "ratio = torch.exp(old_logp - logp)"),
+    m("clip-no-ratio", PPO, "clipped_coefficient", "GC = A·1[unclipped] (ρ dropped)", "gc = adv * ratio * unclipped",
+      "gc = adv * unclipped"),
+    m("clip-no-clip", PPO, "clipped_coefficient", "no clip (every token unclipped)", "gc = adv * ratio * unclipped",
+      "gc = adv * ratio"),
+    m("clip-sides-swapped", PPO, "clipped_coefficient", "A > 0 checked against the lower bound and A < 0 the upper",
+      "torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)",
+      "torch.where(adv > 0, ratio >= 1 - clip_eps, ratio <= high)"),
+    m("clip-lower-plus", PPO, "clipped_coefficient", "lower bound 1 − ε -> 1 + ε", "ratio >= 1 - clip_eps)",
+      "ratio >= 1 + clip_eps)"),
+    m("clip-le-lt", PPO, "clipped_coefficient", "ρ <= 1 + ε -> ρ < 1 + ε", "ratio <= high", "ratio < high",
+      equivalent="the two differ only at ρ = 1 + ε exactly, the kink of min(ρA, clip(ρ)A), where either one-sided derivative "
+                 "is a valid (sub)gradient"),
+    m("clip-adv-ge", PPO, "clipped_coefficient", "A > 0 -> A >= 0", "torch.where(adv > 0,", "torch.where(adv >= 0,",
+      equivalent="the choice only matters where A = 0, and there GC = A·ρ·1[...] = 0 either way; clip_frac "
+                 "excludes A = 0"),
+    m("clip-frac-zero-adv", PPO, "clipped_coefficient", "clip_frac counts tokens with A = 0",
+      "(~unclipped & (adv != 0)).float()", "(~unclipped).float()"),
+    # algorithms/ppo.py: kl_reward, gae, whiten, prepare, critic_loss
+    m("klr-sign", PPO, "kl_reward", "KL penalty added instead of subtracted", "-beta * (old_logp - ref_logp) * mask",
+      "beta * (old_logp - ref_logp) * mask"),
+    m("klr-no-mask", PPO, "kl_reward", "KL penalty on padding too", "-beta * (old_logp - ref_logp) * mask",
+      "-beta * (old_logp - ref_logp)"),
+    m("klr-last-off-by-one", PPO, "kl_reward", "sequence reward one token after the last",
+      "last = (mask.sum(-1).long() - 1).clamp(min=0)", "last = mask.sum(-1).long().clamp(max=mask.shape[1] - 1)"),
+    m("klr-first-token", PPO, "kl_reward", "sequence reward on the first token", "token_reward.scatter_add(1, last,",
+      "token_reward.scatter_add(1, last * 0,"),
+    m("klr-sum-dim", PPO, "kl_reward", "length summed over dim +1 instead of −1", "(mask.sum(-1).long() - 1)",
+      "(mask.sum(+1).long() - 1)", equivalent="the mask is [B, R], where dim 1 and dim −1 are the same axis"),
+    m("klr-empty-row", PPO, "kl_reward", "empty rows get their reward too", "(reward * mask.any(-1))", "(reward * 1.0)"),
+    m("gae-forward-loop", PPO, "gae", "loop runs forward in t", "for t in reversed(range(R)):", "for t in range(R):"),
+    m("gae-no-lambda", PPO, "gae", "γλ -> γ in the recursion", "gamma * lam * running", "gamma * running"),
+    m("gae-no-gamma-next", PPO, "gae", "γ dropped from δ", "token_reward + gamma * next_value - values",
+      "token_reward + next_value - values"),
+    m("gae-next-value-same", PPO, "gae", "V_{t+1} taken as V_t", "next_value = torch.cat([values[:, 1:], "
+      "values.new_zeros(B, 1)], dim=1)", "next_value = values"),
+    m("gae-values-unmasked", PPO, "gae", "values past the end not zeroed", "values = values * mask  #",
+      "values = values  #"),
+    m("gae-delta-unmasked", PPO, "gae", "δ not masked", "delta = (token_reward + gamma * next_value - values) * mask",
+      "delta = token_reward + gamma * next_value - values"),
+    m("gae-running-unmasked", PPO, "gae", "the recursion not masked",
+      "running = delta[:, t] + gamma * lam * running * mask[:, t]", "running = delta[:, t] + gamma * lam * running",
+      equivalent="the mask is contiguous from column 0 and δ is already 0 past the end, so the running sum is still "
+                 "0 when the reverse loop reaches the last real token"),
+    m("gae-returns-unmasked", PPO, "gae", "returns not masked", "return adv, (adv + values) * mask",
+      "return adv, adv + values",
+      equivalent="both terms are already 0 outside the mask (values are masked, and A is 0 past the end as above)"),
+    m("gae-returns-no-values", PPO, "gae", "returns = A instead of A + V", "return adv, (adv + values) * mask",
+      "return adv, adv * mask"),
+    m("whiten-unbiased", PPO, "whiten", "unbiased variance instead of population",
+      "var = masked_mean((x - mean) ** 2, mask)", "var = ((x - mean) ** 2 * mask).sum() / (mask.sum() - 1)"),
+    m("whiten-no-eps", PPO, "whiten", "eps dropped", "torch.rsqrt(var + eps)", "torch.rsqrt(var)"),
+    m("whiten-no-mask", PPO, "whiten", "padding not zeroed", "torch.rsqrt(var + eps) * mask", "torch.rsqrt(var + eps)"),
+    m("whiten-no-centre", PPO, "whiten", "mean not subtracted", "return (x - mean) * torch.rsqrt", "return x * torch.rsqrt"),
+    m("whiten-unmasked-mean", PPO, "whiten", "mean over padding too", "mean = masked_mean(x, mask)  #",
+      "mean = x.mean()  #"),
+    m("ppo-whiten-flag", PPO, "PPO.prepare", "whiten_advantages inverted", "if cfg.whiten_advantages:",
+      "if not cfg.whiten_advantages:"),
+    m("ppo-gamma-lam-swap", PPO, "PPO.prepare", "γ and λ swapped in the call to gae",
+      "gae(token_reward, values, mask, cfg.gamma, cfg.lam)", "gae(token_reward, values, mask, cfg.lam, cfg.gamma)"),
+    m("ppo-beta-ge", PPO, "PPO.prepare", "reference used at β = 0", "ref_logp = batch.ref_logp if cfg.beta > 0",
+      "ref_logp = batch.ref_logp if cfg.beta >= 0",
+      equivalent="at β = 0 `needs` leaves ref_logp out (test_plugin_contract), so the engine passes ref_logp = None "
+                 "and both branches give None"),
+    m("ppo-values-ignored", PPO, "PPO.prepare", "GAE with V = 0", "adv, returns = gae(token_reward, values, mask,",
+      "adv, returns = gae(token_reward, values * 0, mask,"),
+    m("ppo-needs-ref", PPO, "PPO.needs", "reference asked for at β = 0", '({"ref_logp"} if cfg.beta > 0',
+      '({"ref_logp"} if cfg.beta >= 0'),
+    m("critic-min", PPO, "PPO.critic_loss", "min of the two value losses instead of max",
+      "loss = torch.maximum(loss, clipped_loss)", "loss = torch.minimum(loss, clipped_loss)"),
+    m("critic-no-half", PPO, "PPO.critic_loss", "0.5 dropped", "return 0.5 * loss, metrics", "return loss, metrics"),
+    m("critic-clip-around-returns", PPO, "PPO.critic_loss", "values clipped around the returns, not V_old",
+      "clipped = old + (values - old).clamp(", "clipped = returns + (values - returns).clamp("),
+    m("critic-ev", PPO, "PPO.critic_loss", "explained variance from uncentred second moments",
+      "var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)",
+      "var_returns = masked_mean(returns ** 2, mask)"),
+    m("critic-no-lower-clip", PPO, "PPO.critic_loss", "value clip bounded above only",
+      ".clamp(-cfg.value_clip, cfg.value_clip)", ".clamp(max=cfg.value_clip)"),
+    m("critic-ev-sign", PPO, "PPO.critic_loss", "explained variance 1 + Var(R − V)/Var(R)",
+      "1 - var_error / var_returns", "1 + var_error / var_returns"),
+    m("critic-ev-floor", PPO, "PPO.critic_loss", "floor on Var(R) raised from 1e-8 to just above 1",
+      "var_returns.clamp(min=1e-8)", "var_returns.clamp(min=1.00000001)"),
+    m("critic-clip-frac-ge", PPO, "PPO.critic_loss", "value_clip_frac counts ties", "(clipped_loss > loss)",
+      "(clipped_loss >= loss)"),
+    # posttrain/core/aggregation.py
+    m("agg-totals-empty", AGG, "Totals.of", "empty sequences counted", "(mask.sum(-1) > 0).sum()", "(mask.sum(-1) >= 0).sum()"),
+    m("agg-masked-mean-clamp", AGG, "masked_mean", "no clamp: an empty mask divides by 0", "mask.sum().clamp(min=1)",
+      "mask.sum()"),
+    m("agg-masked-mean-min2", AGG, "masked_mean", "floor of the count 1 -> 2", "mask.sum().clamp(min=1)",
+      "mask.sum().clamp(min=2)"),
+    m("agg-masked-mean-unmasked", AGG, "masked_mean", "padding summed in", "return (x * mask).sum() / mask",
+      "return x.sum() / mask"),
+    m("agg-local-totals", AGG, "aggregate", "given totals ignored (local denominators)", "totals = totals or Totals.of(mask)",
+      "totals = Totals.of(mask)"),
+    m("agg-no-mask", AGG, "aggregate", "values not masked", "masked = values * mask  #", "masked = values  #"),
+    m("agg-token-local", AGG, "aggregate", "token_mean over this micro-batch's tokens",
+      "return masked.sum() / max(totals.tokens, 1.0)", "return masked.sum() / max(float(mask.sum()), 1.0)"),
+    m("agg-token-per-seq", AGG, "aggregate", "token_mean divided by sequences", "return masked.sum() / max(totals.tokens, 1.0)",
+      "return masked.sum() / max(totals.seqs, 1.0)"),
+    m("agg-seq-width", AGG, "aggregate", "seq_mean_token_mean divides by the padded width",
+      "per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)", "per_seq = masked.sum(-1) / mask.shape[-1]"),
+    m("agg-seq-no-clamp", AGG, "aggregate", "an empty sequence divides by 0", "mask.sum(-1).clamp(min=1)  #",
+      "mask.sum(-1)  #"),
+    m("agg-seq-local", AGG, "aggregate", "seq_mean_token_mean over this micro-batch's sequences",
+      "return per_seq.sum() / max(totals.seqs, 1.0)", "return per_seq.mean()"),
+    m("agg-norm-dropped", AGG, "aggregate", "L dropped from seq_mean_token_sum_norm", "/ (norm * max(totals.seqs, 1.0))",
+      "/ max(totals.seqs, 1.0)"),
+    m("agg-norm-tokens", AGG, "aggregate", "seq_mean_token_sum_norm over tokens", "/ (norm * max(totals.seqs, 1.0))",
+      "/ (norm * max(totals.tokens, 1.0))"),
+    m("agg-max-seqs", AGG, "aggregate", "no floor of 1 on the sequence count", "/ (norm * max(totals.seqs, 1.0))",
+      "/ (norm * totals.seqs)"),
+    # posttrain/models/scoring.py
+    m("score-no-temperature", SCORE, "_token_logp", "temperature forgotten", "logits = logits / temperature",
+      "logits = logits"),
+    m("score-temperature-mul", SCORE, "_token_logp", "logits multiplied by the temperature",
+      "logits = logits / temperature", "logits = logits * temperature"),
+    m("score-no-logsumexp", SCORE, "_token_logp", "raw logit instead of log-probability",
+      ".squeeze(-1) - torch.logsumexp(logits, dim=-1)", ".squeeze(-1)"),
+    m("score-no-float", SCORE, "_token_logp", "no float32 upcast", "logits = logits.float()  #", "logits = logits  #"),
+    m("score-keep-R", SCORE, "token_logprobs", "logits_to_keep = R, last position kept",
+      "logits_to_keep=R + 1).logits[:, :-1]", "logits_to_keep=R).logits"),
+    m("score-slice-off-by-one", SCORE, "token_logprobs", "full-logits path sliced from prompt_len",
+      ".logits[:, prompt_len - 1 : -1]  #", ".logits[:, prompt_len:]  #"),
+    m("score-targets-shift", SCORE, "token_logprobs", "targets shifted by one", "targets = input_ids[:, prompt_len:]  #",
+      "targets = input_ids[:, prompt_len - 1 : -1]  #"),
+    m("score-chunk-overlap", SCORE, "token_logprobs", "chunks overlap by one sequence",
+      "logits[start : start + seqs], targets[start : start + seqs]",
+      "logits[start : start + seqs + 1], targets[start : start + seqs + 1]"),
+    m("score-no-checkpoint", SCORE, "token_logprobs", "never checkpointed",
+      "if torch.is_grad_enabled() and chunk.requires_grad:", "if False:",
+      equivalent="checkpointing recomputes the same float32 logits in backward: values and gradients are identical "
+                 "and only peak memory changes (bench/scoring_memory.py measures that)"),
+    m("score-positions-no-skip", SCORE, "position_ids", "positions count left padding",
+      "return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)",
+      "return torch.arange(attention_mask.shape[1]).expand_as(attention_mask)"),
+    m("score-positions-from-1", SCORE, "position_ids", "positions start at 1", "cumsum(-1) - 1).clamp(min=0)",
+      "cumsum(-1)).clamp(min=0)"),
+    m("score-positions-no-clamp", SCORE, "position_ids", "padding positions −1 instead of 0",
+      "cumsum(-1) - 1).clamp(min=0)", "cumsum(-1) - 1)"),
+    m("values-off-by-one", SCORE, "token_values", "values read one position late", "out.logits[:, prompt_len - 1 : -1, 0]",
+      "out.logits[:, prompt_len:, 0]"),
+    m("values-positions", SCORE, "token_values", "critic called without position ids",
+      "out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))",
+      "out = critic(input_ids=input_ids, attention_mask=attention_mask)"),
+]
+
+
+def select(ids: list[str]) -> list[Mutant]:
+    if not ids:
+        return MUTANTS
+    chosen = [x for x in MUTANTS if any(fnmatch.fnmatch(x.id, pattern) for pattern in ids)]
+    if not chosen:
+        sys.exit(f"no mutant matches {ids}")
+    return chosen
+
+
+def tests_for(mutant: Mutant, engine: bool) -> list[str]:
+    first = FIRST.get(mutant.path, [])
+    tests = first + [t for t in FAST if t not in first]
+    if engine or mutant.path == AGG:
+        tests.append(ENGINE)
+    return tests
+
+
+def run_one(mutant: Mutant, engine: bool, timeout: float) -> tuple[str, str, float]:
+    """Applies the mutant, runs the tests, restores the file. Returns (status, killer test or note, seconds)."""
+    path = ROOT / mutant.path
+    original = path.read_text()
+    count = original.count(mutant.old)
+    if count != 1:
+        return "stale", f"`old` occurs {count} times in {mutant.path}", 0.0
+    start = time.monotonic()
+    try:
+        path.write_text(original.replace(mutant.old, mutant.new))
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *tests_for(mutant, engine)]
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "killed", "timeout", time.monotonic() - start
+    finally:
+        path.write_text(original)
+    seconds = time.monotonic() - start
+    if proc.returncode == 0:
+        return "survived", "", seconds
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return "killed", failed[0] if failed else f"pytest exit {proc.returncode}", seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ids", nargs="*", help="mutant ids or patterns (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--engine", action="store_true", help="run the engine invariance test for every mutant")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant before it counts as killed")
+    parser.add_argument("--markdown", type=Path, help="also write the results as a markdown table here")
+    args = parser.parse_args()
+    mutants = select(args.ids)
+    if args.list:
+        for x in mutants:
+            print(f"{x.id:28} {x.path:32} {x.func:32} {x.what}" + ("  [equivalent]" if x.equivalent else ""))
+        return 0
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *sorted({x.path for x in mutants})], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    if dirty:
+        sys.exit(f"guarded files have local changes; commit or stash them first:\n{dirty}")
+    rows, bad = [], []
+    for i, x in enumerate(mutants, 1):
+        status, note, seconds = run_one(x, args.engine, args.timeout)
+        expected = "survived" if x.equivalent else "killed"
+        if status != expected:
+            bad.append(x.id)
+        label = status if status != "survived" or not x.equivalent else "equivalent"
+        print(f"[{i:3}/{len(mutants)}] {label:10} {seconds:5.1f}s  {x.id:28} {note}", flush=True)
+        rows.append((x, label, note))
+    killed = sum(label == "killed" for _, label, _ in rows)
+    equivalent = sum(label == "equivalent" for _, label, _ in rows)
+    print(f"\n{len(rows)} mutants: {killed} killed, {equivalent} equivalent, "
+          f"{len(rows) - killed - equivalent} other; unexpected: {', '.join(bad) or 'none'}")
+    if args.markdown:
+        lines = ["| module | function | mutation | killed by |", "| --- | --- | --- | --- |"]
+        for x, label, note in rows:
+            verdict = f"`{note}`" if label == "killed" else (
+                f"survived: equivalent because {x.equivalent}" if label == "equivalent" else f"**{label}** {note}")
+            lines.append(f"| {x.path} | `{x.func}` | {x.what} | {verdict} |")
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The plugin base and the registry: the defaults a method inherits, and how names resolve."""
+
+import pytest
+
+from posttrain.algorithms import REGISTRY, Algorithm, get, register
+from posttrain.core.errors import ConfigError
+
+
+def test_defaults_are_one_update_per_batch():
+    """A method that overrides nothing samples one completion per prompt, takes one optimizer step per batch (μ = 1,
+    one minibatch), asks the engine for nothing, and leaves the token aggregation to `train.loss_agg`."""
+    assert Algorithm.needs(None) == frozenset()
+    assert Algorithm.samples_per_prompt(None) == 1
+    assert Algorithm.epochs(None) == 1
+    assert Algorithm.minibatches(None) == 1
+    assert Algorithm.aggregation(None) is None
+    batch = object()
+    assert Algorithm.prepare(batch, None) == (batch, {})
+    with pytest.raises(NotImplementedError):
+        Algorithm.coefficient(batch, None, None)
+
+
+def test_builtins_registered_in_table_order():
+    assert list(REGISTRY)[:6] == ["sft", "rft", "online_rft", "dpo", "ppo", "grpo"]
+    assert all(get(name).name == name for name in REGISTRY)
+
+
+def test_a_name_registers_once():
+    with pytest.raises(ValueError, match="registered twice"):
+        register("sft")(type("OtherSFT", (Algorithm,), {}))
+    assert get("sft").__name__ == "SFT"
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="did you mean 'grpo'.*known: dpo, grpo, online_rft, ppo, rft, sft"):
+        get("gpro")
