@@ -50,7 +50,7 @@ def cycles(graph) -> list[list[str]]:
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         site = Path(tmp) / "site"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                         "--target", str(site), str(ROOT)], check=True)
         env = {"PYTHONPATH": str(site), "PATH": str(Path(sys.executable).parent)}
         lint = subprocess.run(["lint-imports", "--config", str(ROOT / "pyproject.toml")], cwd=tmp, env=env)
