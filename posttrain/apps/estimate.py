@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from posttrain import algorithms
 from posttrain.core.errors import ConfigError, UserError
+from posttrain.sources import SOURCES
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -332,7 +333,7 @@ def method_profile(method: str, group: int, beta: float):
             cfg = dataclasses.replace(cfg, group_size=group)
         except ConfigError as err:
             raise UserError(f"G={group}: {method}: {err}") from None
-    online = plugin.source == "online"  # samples the policy every step: a rollout KV cache
+    online = SOURCES.find(plugin.source).on_policy  # samples the policy every step: a rollout KV cache
     return plugin, plugin.needs(cfg), online, plugin.samples_per_prompt(cfg) * plugin.unit
 
 

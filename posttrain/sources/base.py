@@ -21,8 +21,7 @@ from posttrain.schema import DataConfig, RolloutConfig
 class Deps:
     """Everything a data source may depend on. The engine fills it in; it holds no reference to the engine."""
 
-    rows: list[dict]  # training rows (all of them; `sampler` draws this process's shard)
-    sampler: RowSampler  # seeded draws of this process's shard of `rows`
+    sampler: RowSampler  # seeded draws of this process's shard of the training rows (`sampler.rows`)
     tokenizer: Any
     data: DataConfig
     batch_size: int  # prompts or rows per step, per process
@@ -36,8 +35,6 @@ class Deps:
     score_reference: Callable[[Batch], torch.Tensor] | None  # [B, R] log π_ref of a batch (None: no reference)
     model_path: Path  # the starting model's directory (keys the cache of its samples)
     cache_dir: Path
-    rank: int
-    world: int
 
 
 class Source:

@@ -54,7 +54,7 @@ def starting_samples(rows: list[dict], k: int, *, tokenizer, data: DataConfig, r
 
 def starting_samples_of(d, k: int, num_prompts: int) -> list[dict]:
     """`starting_samples` for the first `num_prompts` of this process's training rows, from a source's `Deps`."""
-    return starting_samples(d.rows[d.rank :: d.world][:num_prompts], k, tokenizer=d.tokenizer, data=d.data,
+    return starting_samples(d.sampler.rows[:num_prompts], k, tokenizer=d.tokenizer, data=d.data,
                             rollout=d.rollout, sampling=d.sampling, judge=d.judge, batch_size=d.batch_size,
                             seed=d.seed, model_path=d.model_path, cache_dir=d.cache_dir)
 

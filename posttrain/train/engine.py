@@ -77,12 +77,12 @@ class Engine:
         self.micro = max(unit, t.micro_batch_size // unit * unit)
         ref = self.ref
         self.source = source.from_deps(Deps(
-            rows=self.train_rows, tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
+            tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
             sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
             micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
             samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
             judge=self.judge, score_reference=(lambda b: self.score(ref, b.to(backend.device))) if ref else None,
-            model_path=self.model_path, cache_dir=cache_root(cfg), rank=backend.rank, world=backend.world_size))
+            model_path=self.model_path, cache_dir=cache_root(cfg)))
         if self.source.scores_reference:
             self.ref = None  # the source holds the reference log-probs it needs: the model's memory is freed
         self.roles, self.phases = RoleBytes(), PhasePeaks()
