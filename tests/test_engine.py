@@ -81,3 +81,19 @@ def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):
         outs.append(([{k: v for k, v in m.items() if not k.startswith(timing)} for m in lines],
                      (tmp_path / name / "model" / "model.safetensors").read_bytes()))
     assert outs[0] == outs[1]
+
+
+def test_each_step_hands_the_new_weights_to_the_rollout_engine(tiny_model_dir, tmp_path):
+    """After the update the rollout engine is given every policy parameter as the optimizer left them (an engine
+    holding its own copy, such as vLLM, samples from stale weights otherwise)."""
+    cfg, _ = config.load("sft_math", [f"model.path={tiny_model_dir}", "train.batch_size=4", "train.lr=1e-2",
+                                      "data.train_size=50", "data.test_size=5"])
+    engine = make_engine(cfg, tiny_model_dir)
+    before = {n: p.detach().clone() for n, p in engine.rollout.model.named_parameters()}
+    handed = []
+    engine.rollout.load_weights = lambda weights: handed.append({n: t.detach().clone() for n, t in weights})
+    torch.manual_seed(0)
+    metrics = engine.step()
+    assert len(handed) == 1 and handed[0].keys() == before.keys()
+    assert any(not torch.equal(handed[0][n], before[n]) for n in before)  # the updated weights, not the old ones
+    assert metrics["time/weight_sync"] >= 0
