@@ -3,9 +3,10 @@
     python bench/scoring_memory.py            # defaults: B=8, P=768, R=256, V=32000; about 75 s on 2 CPU cores
 
 `naive_token_logprobs` materialises float32 [B, T, V] logits and a float32 log_softmax of them; `token_logprobs`
-asks the model for logits at the R response positions only (`logits_to_keep`) and reduces them in chunks of about
-`--chunk-rows` token positions (whole sequences), checkpointed under autograd. Both are measured in two modes: `no_grad` (reference and old policy)
-and `fwd+bwd` (policy: sum of masked log-probs, then `.backward()`).
+has the model's output head reduce the hidden states of the real response tokens to one log-probability each,
+`--chunk-rows` positions at a time, and recomputes each chunk's logits in backward: no [B, R, V] tensor exists.
+Both are measured in two modes: `no_grad` (reference and old policy) and `fwd+bwd` (policy: sum of masked log-probs,
+then `.backward()`).
 
 Each variant runs in its own fresh subprocess (both modes, one after the other), so one variant's memory never
 hides inside another's peak; each measurement is repeated `--repeats` times and the median printed. The figure is
@@ -14,9 +15,9 @@ resident-set high-water mark (VmHWM), reset before each repeat by writing 5 to /
 where that is not possible, the RSS is sampled every millisecond by a background thread, and the output says so. On
 CUDA it is torch.cuda.max_memory_allocated, reset before each repeat. The log-probs of both variants are compared.
 
-Reading the figures (no_grad): naive holds three [B, T, V] float32 tensors at once (logits, logits / temperature,
-log_softmax). posttrain holds one [B, R + 1, V] (the kept logits; chunks are views of it) plus logsumexp's temporary
-for one chunk, about `--chunk-rows` × V floats.
+Reading the figures: naive holds three [B, T, V] float32 tensors at once in no_grad (logits, logits / temperature,
+log_softmax), and their gradients in fwd+bwd. posttrain holds one [chunk_rows, V] chunk of logits and its softmax,
+plus the model's own activations, which are the same for both.
 """
 
 from __future__ import annotations

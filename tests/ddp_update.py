@@ -35,7 +35,7 @@ def main(model_dir: str, out: str) -> None:
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     backend.step(engine.policy, cfg.train.max_grad_norm)
     if backend.is_main:
-        torch.save({"world_size": backend.world_size, "grads": grads,
+        torch.save({"world_size": backend.world_size, "grads": grads, "head": type(model.lm_head).__name__,
                     "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}, out)
     backend.barrier()
 

@@ -127,3 +127,43 @@ def test_bfloat16_model_scores_in_float32(tiny_model_dir, model_and_batch):
         naive = naive_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours * b.mask, naive * b.mask, atol=1e-5, rtol=1e-5)
+
+
+def test_head_backward_is_the_gradient_of_log_softmax():
+    """The hand-written backward of the chunked head equals autograd's numerical gradient (float64, with a bias, a
+    temperature and chunks that do not divide N)."""
+    from posttrain.models.scoring import _HeadLogProb
+
+    torch.manual_seed(0)
+    N, H, V = 7, 5, 11
+    hidden = torch.randn(N, H, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (N,))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: _HeadLogProb.apply(h, w, b, targets, 0.7, 3, torch.float64), (hidden, weight, bias))
+    want = torch.log_softmax((hidden @ weight.T + bias) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(_HeadLogProb.apply(hidden, weight, bias, targets, 0.7, 3, torch.float64), want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_head_never_makes_response_logits(models, model_and_batch, arch):
+    """With a request pending the output head returns one log-prob per real response token, never [B, R, V]
+    logits; without one it is the same linear layer, and the state dict keeps its names."""
+    from posttrain.models.scoring import ScoringHead
+
+    model, _ = models[arch]
+    _, b = model_and_batch
+    keys = list(model.state_dict())
+    shapes = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(tuple(out.shape)))
+    try:
+        with torch.no_grad():
+            token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len)
+            logits = model(input_ids=b.input_ids).logits
+    finally:
+        hook.remove()
+    assert isinstance(model.get_output_embeddings(), ScoringHead)
+    assert shapes == [(int(b.mask.sum()),), tuple(logits.shape)]
+    assert logits.shape == (*b.input_ids.shape, model.config.vocab_size)
+    assert list(model.state_dict()) == keys

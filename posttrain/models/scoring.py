@@ -1,20 +1,36 @@
 """The shared per-token scoring engine: log πθ(o_t | q, o_<t) for the response tokens of a padded batch, and the
 critic's values V(q, o_<t) at the same positions.
 
-One function serves the policy (with gradients), the old policy and the reference (without). It avoids the naive
-`log_softmax(logits.float())` over [B, T, V]: the model's head runs only at the R positions that predict response
-tokens (`logits_to_keep`, which Hugging Face causal LMs accept), and the float32 log-normaliser is computed in
-chunks of sequences. Under autograd each chunk is checkpointed, so backward recomputes its float32 logits instead of
-keeping them all alive. The forward still goes through the model's own `__call__`, so wrappers such as DDP see it.
+One function serves the policy (with gradients), the old policy and the reference (without). No [B, R, V] logits
+tensor is ever alive, in forward or in backward: the output head runs only on the hidden states of the positions
+that predict real response tokens, a chunk of positions at a time, and each chunk is reduced to one float32
+log-probability per position (its target logit minus the log-normaliser) before the next is computed. Backward
+recomputes a chunk's logits from the saved hidden states and head weight (`_HeadLogProb`), so the peak is one chunk
+of `chunk_rows` × V floats, whatever B and R are.
+
+Where the head runs matters under sharding. FSDP and ZeRO-3 gather a module's weights only inside that module's own
+forward, so a head applied to hidden states after the wrapped model returns would see a shard. Here the head module
+itself does the chunked reduction: `token_logprobs` turns the model's plain `nn.Linear` head into a `ScoringHead`
+(same parameters, same names, same state dict; an ordinary linear layer whenever no request is pending) and then
+calls the wrapped model as usual. The model hands the head the hidden states of the kept positions, the head returns
+log-probabilities where logits would be, and every wrapper sees one ordinary forward.
+
+Models whose logits are more than `hidden @ W.T` (soft-capping, logit scales) or that have no `logits_to_keep`
+are scored from their logits instead, still reduced in checkpointed chunks of sequences (`_from_logits`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+# Model types whose causal-LM forward computes logits as exactly `lm_head(hidden[:, -logits_to_keep:])`, nothing
+# after it; `tests/test_scoring.py` checks each against the naive log_softmax.
+HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2"})
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -25,6 +41,105 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _accepts_logits_to_keep(forward) -> bool:
     return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on (mixed precision), else the inputs'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_logits(hidden, weight, bias, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """Logits / τ of one chunk of positions, in float32 (float64 for float64 inputs): [c, H] -> [c, V]."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = torch.nn.functional.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else
+                                            bias.to(dtype)).to(torch.promote_types(dtype, torch.float32))
+    return logits / temperature if temperature != 1.0 else logits
+
+
+class _HeadLogProb(torch.autograd.Function):
+    """log softmax(h Wᵀ + b) / τ)[target] for N positions, `chunk_rows` at a time: [N, H], [V, H], [N] -> [N].
+
+    The gradient of log p_target with respect to the chunk's logits z is (onehot(target) − softmax(z)) / τ; backward
+    recomputes z chunk by chunk and sends it through the head by hand, so only one [c, V] chunk is alive at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, dtype):
+        out = torch.empty(len(targets), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)  # [N]
+        for s in range(0, len(targets), chunk_rows):
+            logits = _chunk_logits(hidden[s : s + chunk_rows], weight, bias, temperature, dtype)  # [c, V]
+            tgt = targets[s : s + chunk_rows, None]  # [c, 1]
+            out[s : s + chunk_rows] = logits.gather(-1, tgt).squeeze(-1) - logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: [N]
+        hidden, weight, bias, targets = ctx.saved_tensors
+        temperature, chunk_rows, dtype = ctx.temperature, ctx.chunk_rows, ctx.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
+        acc = torch.promote_types(dtype, torch.float32)  # gradients add up in at least float32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None  # [V, H]
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None  # [V]
+        w = weight.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, len(targets), chunk_rows):
+                h = hidden[s : s + chunk_rows].to(dtype)  # [c, H]
+                g = grad[s : s + chunk_rows, None].to(acc) / temperature  # [c, 1]
+                dz = torch.softmax(_chunk_logits(h, w, bias, temperature, dtype), -1).mul_(-g)  # [c, V]
+                dz.scatter_add_(-1, targets[s : s + chunk_rows, None], g)
+                if need_b:
+                    grad_b += dz.sum(0)
+                dz = dz.to(dtype)
+                if need_h:
+                    grad_h[s : s + chunk_rows] = dz @ w
+                if need_w:
+                    grad_w += dz.T @ h
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+class ScoringHead(torch.nn.Linear):
+    """A causal LM's output head that, while a request is pending (`scoring`), returns the log-probabilities of
+    given targets at the kept positions instead of their logits; otherwise an ordinary `nn.Linear`."""
+
+    request: tuple | None = None
+
+    @contextlib.contextmanager
+    def scoring(self, keep: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_rows: int):
+        """keep: [B, K] bool over the K positions the model hands the head; targets: [N] for the N kept ones."""
+        self.request = (keep, targets, temperature, chunk_rows)
+        try:
+            yield
+        finally:
+            self.request = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.request is None:
+            return super().forward(hidden)
+        keep, targets, temperature, chunk_rows = self.request
+        h = hidden[keep]  # [B, K, H] -> [N, H]
+        return _HeadLogProb.apply(h, self.weight, self.bias, targets, temperature, chunk_rows,
+                                  _compute_dtype(h, self.weight))  # [N]
+
+
+def scoring_head(model: torch.nn.Module) -> ScoringHead | None:
+    """The model's output head, turned into a `ScoringHead` in place (parameters untouched); None when the model's
+    logits are not simply that head applied to its last hidden states."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    if isinstance(head, ScoringHead):
+        return head
+    if (type(head) is not torch.nn.Linear or getattr(model.config, "model_type", None) not in HEAD_SCORED_TYPES
+            or not _accepts_logits_to_keep(model.forward)):
+        return None
+    head.__class__ = ScoringHead
+    return head
 
 
 def _token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -42,32 +157,47 @@ def token_logprobs(
     prompt_len: int,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = 512,
+    chunk_rows: int = 1024,
 ) -> torch.Tensor:
     """Log-probabilities of the response tokens `input_ids[:, prompt_len:]` under `model`.
 
     Args:
         model: a Hugging Face causal LM, possibly wrapped (DDP).
         input_ids: [B, T] prompt left-padded to `prompt_len`, then the response.
-        attention_mask: [B, T].
+        attention_mask: [B, T]; its response part marks the real response tokens (the rest is padding).
         prompt_len: P; the response region is columns P..T-1 (R = T - P columns).
         temperature: logits are divided by it, as when sampling.
         chunk_rows: about this many token positions (rows of V logits) are reduced at a time.
 
     Returns:
-        [B, R] float32 log-probabilities (padding positions hold finite junk; mask them).
+        [B, R] float32 log-probabilities; 0 at padding positions (mask them anyway).
     """
     B, T = input_ids.shape
     R = T - prompt_len
     inner = getattr(model, "module", model)  # DDP keeps the model in .module
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                   use_cache=False)
+    head = scoring_head(inner)
+    if head is None:
+        return _from_logits(model, inner, kwargs, prompt_len, temperature, chunk_rows)
+    keep = attention_mask[:, prompt_len:].bool()  # [B, R]: position P - 1 + t predicts response token t
+    targets = input_ids[:, prompt_len:][keep]  # [N]
+    # The model hands the head positions P - 1 .. T - 1; the last predicts past the end and is never kept.
+    with head.scoring(torch.nn.functional.pad(keep, (0, 1)), targets, temperature, chunk_rows):
+        flat = model(**kwargs, logits_to_keep=R + 1).logits  # [N]
+    return torch.zeros(B, R, dtype=flat.dtype, device=flat.device).masked_scatter(keep, flat)  # [B, R]
+
+
+def _from_logits(model, inner, kwargs: dict, prompt_len: int, temperature: float, chunk_rows: int) -> torch.Tensor:
+    """The same from the model's [B, R, V] logits, reduced in checkpointed chunks of whole sequences."""
+    B, T = kwargs["input_ids"].shape
+    R = T - prompt_len
     if _accepts_logits_to_keep(inner.forward):
         # Positions P-1 .. T-1 are kept; the last one predicts past the end and is dropped.
         logits = model(**kwargs, logits_to_keep=R + 1).logits[:, :-1]  # [B, R, V] (a view)
     else:
         logits = model(**kwargs).logits[:, prompt_len - 1 : -1]  # [B, R, V] (a view)
-    targets = input_ids[:, prompt_len:]  # [B, R]
+    targets = kwargs["input_ids"][:, prompt_len:]  # [B, R]
     seqs = max(1, chunk_rows // max(R, 1))  # sequences per chunk; slicing the view copies nothing
     out = []
     for start in range(0, B, seqs):
