@@ -62,3 +62,47 @@ def test_load_weights_samples_from_the_new_weights(tiny_model_dir, tmp_path):
 
 def test_registry():
     assert get("hf") is HFEngine and ENGINES["hf"].name == "hf"
+
+
+def test_greedy_decoding_equals_generate(tiny_model_dir):
+    """The decode loop (KV cache, last-position logits, left-padded prompts of different lengths, rows that stop
+    early) picks the tokens `model.generate` picks, up to each row's first stop token."""
+    engine, tok = hf_engine(tiny_model_dir)
+    torch.manual_seed(3)
+    with torch.no_grad():  # larger random weights: the random model's greedy output depends on its input
+        for p in engine.model.parameters():
+            p.add_(torch.randn_like(p))
+    prompts = [tok(t)["input_ids"] for t in ["Q: 3+4\nA: ", "Q: 12-7+1\nA: ", "Q: 5\nA: ", "Q: 9-9\nA: "]]
+    free = engine.generate(prompts, 1, max_new_tokens=12, greedy=True)
+    # A token the first row emits at its 4th step, made the stop token: rows stop at different steps, or never.
+    engine.stop_ids = [int(free.response_ids[0, 3])]
+    ours = engine.generate(prompts, 1, max_new_tokens=12, greedy=True)
+    ids, mask = ours.input_ids[:, : ours.prompt_len], ours.attention_mask[:, : ours.prompt_len]
+    want = engine.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=engine.stop_ids)[:, ours.prompt_len :]
+    assert len(set(ours.mask.sum(-1).tolist())) > 1  # rows of different lengths
+    for i in range(len(ours)):
+        n = int(ours.mask[i].sum())
+        assert ours.response_ids[i, :n].tolist() == want[i, :n].tolist()
+
+
+def test_next_token_samples_the_tempered_nucleus():
+    """Frequencies over 40,000 draws match softmax(logits / τ) within 4 standard errors; with top-p the tokens
+    outside the nucleus never come, and the nucleus is renormalised."""
+    from posttrain.rollout.hf import next_token
+
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    draws = 40_000
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
+        p = torch.softmax(logits / temperature, -1)
+        if top_p < 1:  # the nucleus: tokens whose more likely ones hold less than top_p
+            p = p * ((p.cumsum(-1) - p) < top_p)
+            p = p / p.sum()
+        tokens = next_token(logits.expand(draws, -1), temperature=temperature, top_p=top_p)
+        freq = torch.bincount(tokens, minlength=len(logits)).double() / draws
+        se = (p * (1 - p) / draws).sqrt()
+        assert ((freq - p).abs() <= 4 * se + 1e-12).all(), (temperature, top_p, freq, p)
+        if top_p < 1:
+            assert freq[p == 0].sum() == 0 and (p == 0).any()
+    assert next_token(logits[None], greedy=True).item() == 0
