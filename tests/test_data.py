@@ -77,3 +77,18 @@ def test_sampler_is_seeded_and_sharded():
     assert a == b and {r["i"] for r in a[:10]} == set(range(10))  # one full epoch before repeating
     shard0, shard1 = RowSampler(rows, 3, 0, 2).next(5), RowSampler(rows, 3, 1, 2).next(5)
     assert {r["i"] for r in shard0}.isdisjoint({r["i"] for r in shard1})
+
+
+def test_trimmed_drops_columns_that_are_padding_in_every_row():
+    """Prompts [5 6 | 7] and responses [8 | 9 10]: one prompt column and one response column are padding in every
+    row of the pair taken alone; trimming cuts them and the per-token tensors, and keeps every real token."""
+    b = collate([[5, 6], [7], [1, 2, 3]], [[8], [9, 10], [4, 4, 4]], pad_id=0)  # P = 3, R = 3
+    b.old_logp = torch.arange(9.0).view(3, 3)
+    b.extra["values"] = -b.old_logp
+    b.extra["score"] = torch.tensor([1.0, 2.0, 3.0])
+    pair = b.select(slice(0, 2)).trimmed()
+    assert pair.prompt_len == 2 and pair.input_ids.tolist() == [[5, 6, 8, 0], [0, 7, 9, 10]]
+    assert pair.mask.tolist() == [[1, 0], [1, 1]] and pair.old_logp.tolist() == [[0, 1], [3, 4]]
+    assert pair.extra["values"].tolist() == [[0, -1], [-3, -4]] and pair.extra["score"].tolist() == [1, 2]
+    assert pair.response_ids.tolist() == [[8, 0], [9, 10]]
+    assert b.trimmed() is b  # nothing to cut

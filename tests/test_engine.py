@@ -97,3 +97,25 @@ def test_each_step_hands_the_new_weights_to_the_rollout_engine(tiny_model_dir, t
     assert len(handed) == 1 and handed[0].keys() == before.keys()
     assert any(not torch.equal(handed[0][n], before[n]) for n in before)  # the updated weights, not the old ones
     assert metrics["time/weight_sync"] >= 0
+
+
+def test_micro_batches_group_similar_lengths_and_cover_every_row(tiny_model_dir, tmp_path):
+    """Micro-batches hold whole units, longest rows first, each row exactly once; scoring through them (sorted and
+    trimmed) gives the log-probs of scoring the whole padded batch at once."""
+    from posttrain.models.scoring import token_logprobs
+
+    cfg, _ = make_cfg(tiny_model_dir, tmp_path, "algorithm.beta=0.1")
+    engine = make_engine(cfg, tiny_model_dir)
+    torch.manual_seed(0)
+    batch = engine.rollout.generate([[5, 6, 7], [8, 9], [4]], 4, max_new_tokens=8)
+    engine.micro = 4
+    plan = engine.micro_batches(batch)
+    rows = torch.cat([r for r, _ in plan])
+    assert sorted(rows.tolist()) == list(range(len(batch)))
+    lengths = batch.lengths()[rows]
+    assert (lengths[:-1] >= lengths[1:]).all() and lengths[0] > lengths[-1]
+    assert any(mb.input_ids.shape[1] < batch.input_ids.shape[1] for _, mb in plan)  # some columns were cut
+    with torch.no_grad():
+        whole = token_logprobs(engine.ref, batch.input_ids, batch.attention_mask, batch.prompt_len)
+    torch.testing.assert_close(engine.score(engine.ref, batch) * batch.mask, whole * batch.mask, atol=1e-5,
+                               rtol=1e-5)

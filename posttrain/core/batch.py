@@ -2,7 +2,8 @@
 
 Layout: prompts are left-padded to P columns and responses right-padded to R columns, so every response starts at
 column P of `input_ids` and the response region is `input_ids[:, P:]`. Per-token tensors (`mask`, `logp`, `old_logp`,
-`ref_logp`, ...) cover that region only: [B, R]. `left_pad` and `collate` build that layout from token ids.
+`ref_logp`, ...) cover that region only: [B, R], and so does any tensor in `extra` whose second dimension is R.
+`left_pad` and `collate` build that layout from token ids.
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ class Batch:
     def split(self, size: int) -> list[Batch]:
         """Consecutive chunks of at most `size` rows (micro-batches)."""
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def lengths(self) -> torch.Tensor:
+        """[B] real tokens per row, prompt and response."""
+        return self.attention_mask.sum(-1)
+
+    def trimmed(self) -> Batch:
+        """The same rows without the columns that are padding in every row: the left of the prompt region and the
+        right of the response region. P and R shrink; per-token tensors keep their first R' columns."""
+        P, R = self.prompt_len, self.input_ids.shape[1] - self.prompt_len
+        real = self.attention_mask.bool().any(0)  # [T] columns with a real token in some row
+        left = int(real[:P].float().argmax()) if real[:P].any() else P - 1
+        keep_r = int(real[P:].nonzero().max()) + 1 if real[P:].any() else 1  # R' ≥ 1
+        if left == 0 and keep_r == R:
+            return self
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t is self.input_ids or t is self.attention_mask:
+                return t[:, left : P + keep_r]
+            return t[:, :keep_r] if t.dim() >= 2 and t.shape[1] == R else t
+
+        return dataclasses.replace(self._map(cut), prompt_len=P - left)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

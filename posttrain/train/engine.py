@@ -92,24 +92,43 @@ class Engine:
             if model is not None:
                 self.roles.observe(role, tensor_bytes(model.parameters()))
 
+    def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
+        """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
+        each trimmed of the columns that are padding in all its rows; with the rows of `batch` each one holds.
+
+        The loss is normalised by the whole step's counts, so neither the order nor the split changes the update.
+        """
+        unit = self.plugin.unit
+        length = batch.lengths().view(-1, unit).max(-1).values  # [B / unit] longest row of each unit
+        order = torch.argsort(length, descending=True, stable=True)  # [B / unit]
+        rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
+        return [(idx, batch.select(idx).trimmed()) for idx in rows.split(self.micro)]
+
+    def _per_token(self, batch: Batch, fn) -> torch.Tensor:
+        """`fn(micro-batch)` -> [b, R'] for every micro-batch, put back into the rows and columns of `batch`."""
+        out = torch.zeros(batch.mask.shape, device=batch.mask.device)  # [B, R]
+        for rows, mb in self.micro_batches(batch):
+            part = fn(mb)  # [b, R']
+            out[rows, : part.shape[1]] = part
+        return out
+
     @torch.no_grad()
     def score(self, model, batch: Batch) -> torch.Tensor:
         """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
-        parts = [token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature)
-                 for mb in batch.split(self.micro)]
-        return torch.cat(parts)  # [B, R]
+        return self._per_token(batch, lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                                                temperature=self.temperature))  # [B, R]
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """The critic's values of the response positions at sampling time."""
-        return torch.cat([token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
-                          for mb in batch.split(self.micro)])  # [B, R]
+        return self._per_token(batch, lambda mb: token_values(self.critic.module, mb.input_ids, mb.attention_mask,
+                                                              mb.prompt_len))  # [B, R]
 
     # -- update -----------------------------------------------------------------------------------------------
     def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
         cfg, backend = self.cfg, self.backend
-        micro = batch.split(self.micro)
+        micro = [mb for _, mb in self.micro_batches(batch)]
         trained = [t for t in (self.policy, self.critic) if t is not None]
         loss_sum, metrics = torch.zeros((), device=backend.device), {}
         for i, mb in enumerate(micro):
