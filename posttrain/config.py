@@ -90,6 +90,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return float(value) if tp is float else value
 
 
+# Keys that moved: a config that still uses one is told where it went.
+MOVED = {"model.dtype": "train.precision (fp32, bf16-mixed or bf16)"}
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
@@ -104,6 +108,8 @@ def build(cls: type, values: Any, prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
+        if _join(prefix, key) in MOVED:
+            raise ConfigError(f"{_join(prefix, key)}: replaced by {MOVED[_join(prefix, key)]}")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {_join(prefix, near[0])}?" if near else f"; known: {', '.join(names) or 'none'}"

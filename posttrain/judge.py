@@ -18,7 +18,7 @@ import torch
 from posttrain import rewards
 from posttrain.data import prompt_texts
 from posttrain.rewards.accuracy import accuracy
-from posttrain.schema import DataConfig, RunConfig
+from posttrain.schema import DataConfig, RunConfig, weights_dtype
 
 
 class Judge:
@@ -60,5 +60,5 @@ def build(cfg: RunConfig, device, *, with_reward_model: bool) -> Judge:
     if with_reward_model and cfg.reward_model.path:
         from posttrain.rewards.model import RewardModel
 
-        model = RewardModel(cfg.reward_model.path, device, dtype=cfg.model.dtype)
+        model = RewardModel(cfg.reward_model.path, device, dtype=weights_dtype(cfg.train.precision, trained=False))
     return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight)

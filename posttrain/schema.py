@@ -20,14 +20,8 @@ from posttrain.core.errors import ConfigError
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
-    dtype: str = "float32"
-    """Dtype of the weights: float32, bfloat16 or float16."""
     ref_path: str | None = None
     """Reference model directory for methods with a KL or a reference (GRPO β > 0, DPO, PPO); null: the start."""
-
-    def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype: must be float32, bfloat16 or float16 (got {self.dtype!r})")
 
 
 @dataclass
@@ -127,8 +121,13 @@ class TrainConfig:
     """Write a checkpoint every N steps under output_dir/checkpoints; 0: only the final model."""
     backend: str = "ddp"
     """How training is distributed (`posttrain.backends`): ddp (one process, or data parallel under torchrun)."""
+    precision: str = "fp32"
+    """fp32; bf16-mixed: bf16 compute (autocast), fp32 weights, gradients and AdamW state; bf16: all of them in bf16.
+    Log-softmax is float32 in every mode; models only scored (reference, reward model) are held in bf16 unless fp32."""
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision: must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         if self.loss_agg not in MODES:
             raise ConfigError(f"loss_agg: unknown mode {self.loss_agg!r}; known: {', '.join(MODES)}")
         for key in ("steps", "batch_size", "micro_batch_size"):
@@ -141,6 +140,17 @@ class TrainConfig:
                 raise ConfigError(f"{key}: must be ≥ 0 (got {getattr(self, key)})")
         if self.loss_agg_norm is not None and self.loss_agg_norm <= 0:
             raise ConfigError(f"loss_agg_norm: must be > 0 (got {self.loss_agg_norm})")
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+def weights_dtype(precision: str, trained: bool) -> str:
+    """The dtype a model's weights are loaded in under `train.precision`: trained models keep fp32 master weights
+    unless the precision is pure bf16; models that are only scored are held in bf16 unless it is fp32."""
+    if precision == "fp32" or (trained and precision == "bf16-mixed"):
+        return "float32"
+    return "bfloat16"
 
 
 @dataclass

@@ -55,7 +55,7 @@ def fake_run() -> dict:
                "eval_after": {"accuracy": 0.75, "num_problems": 4},
                "memory": {"roles_bytes": {"policy_weights": 2**20, "policy_gradients": 2**20},
                           "cpu_peak_rss_mb": {"rollout": 400.0, "scoring": 420.0, "update": 500.0}}}
-    resolved = {"model": {"path": None, "dtype": "float32", "ref_path": None}, "algorithm": {},
+    resolved = {"model": {"path": None, "ref_path": None}, "train": {"precision": "fp32"}, "algorithm": {},
                 "reward_model": {"path": None}}
     return compare.numbers(summary, metrics, resolved)
 
@@ -144,7 +144,7 @@ def test_estimator_agrees_with_measured_roles(tmp_path, size):
     model = build_model_dir(tmp_path / "model", **size)
     spec = model_spec(str(model))
     assert (15e6 < spec.n_params < 25e6) if size else spec.n_params < 1e6
-    one_step = ["model.dtype=float32", "train.steps=1", "train.batch_size=1", "rollout.max_new_tokens=4",
+    one_step = ["train.precision=fp32", "train.steps=1", "train.batch_size=1", "rollout.max_new_tokens=4",
                 "eval.num_problems=0", "data.train_size=20", "data.test_size=5", "algorithm.samples_per_prompt=1",
                 "algorithm.ppo_epochs=1", "algorithm.num_minibatches=1"]
     cfg, resolved = config.load("ppo_math", [f"model.path={model}", f"output_dir={tmp_path / 'run'}", *one_step])

@@ -59,3 +59,12 @@ def test_bad_input_names_the_culprit(recipe, overrides, message):
 def test_missing_recipe_file():
     with pytest.raises(ConfigError, match="no such file"):
         config.load("nowhere/recipe.yaml")
+
+
+def test_precision_values_and_the_moved_dtype_key():
+    """train.precision takes fp32, bf16-mixed or bf16; the old model.dtype names the key that replaced it."""
+    assert config.load("grpo_math", ["train.precision=bf16-mixed"])[0].train.precision == "bf16-mixed"
+    with pytest.raises(ConfigError, match=r"^train.precision: must be one of fp32, bf16-mixed, bf16"):
+        config.load("grpo_math", ["train.precision=fp16"])
+    with pytest.raises(ConfigError, match=r"^model.dtype: replaced by train.precision"):
+        config.load("grpo_math", ["model.dtype=bfloat16"])

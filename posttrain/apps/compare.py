@@ -218,20 +218,22 @@ def _rate(metrics: list[dict], tokens: str, seconds: str) -> float | None:
 
 def estimated_roles(resolved: dict, summary: dict) -> dict[str, int] | None:
     """What `posttrain.apps.estimate.state_bytes` predicts for each model-state role the run measured; None when it
-    cannot say like for like: weights not fp32 (torch's AdamW keeps moments in the weights' dtype, the estimator in
-    fp32) or a model directory that is gone."""
+    cannot say like for like: trained weights not fp32 (`train.precision=bf16`: torch's AdamW keeps moments in the
+    weights' dtype, the estimator in fp32) or a model directory that is gone."""
     from posttrain.apps.estimate import model_spec, state_bytes
 
     model = resolved["model"]["path"] or (summary.get("warmup") or {}).get("path")
-    if resolved["model"]["dtype"] != "float32" or not model:
+    precision = resolved["train"].get("precision", "fp32")
+    if precision == "bf16" or not model:
         return None
+    frozen = "fp32" if precision == "fp32" else "bf16"  # bf16-mixed holds the models it only scores in bf16
     try:
         policy = state_bytes(model_spec(str(model)), dtype="fp32", master_weights=False)
         critic = state_bytes(model_spec(str(resolved["algorithm"].get("critic_path") or model)), dtype="fp32",
                              master_weights=False)
-        ref = state_bytes(model_spec(str(resolved["model"]["ref_path"] or model)), dtype="fp32", trained=False)
+        ref = state_bytes(model_spec(str(resolved["model"]["ref_path"] or model)), dtype=frozen, trained=False)
         rm_path = resolved["reward_model"]["path"]
-        rm = state_bytes(model_spec(str(rm_path)), dtype="fp32", trained=False) if rm_path else None
+        rm = state_bytes(model_spec(str(rm_path)), dtype=frozen, trained=False) if rm_path else None
     except UserError:
         return None
     est = {"policy_weights": policy.params, "policy_gradients": policy.grads, "policy_optimizer_state": policy.moments,

@@ -23,12 +23,26 @@ class Trained:
 
 
 class Backend:
-    """The interface; `ddp` (posttrain.backends.ddp) is the reference implementation."""
+    """The interface; `ddp` (posttrain.backends.ddp) is the reference implementation.
+
+    Args:
+        precision: `train.precision`: fp32, bf16-mixed (bf16 compute, fp32 weights and optimizer state) or bf16.
+    """
 
     name: str = ""
     device: torch.device
     rank: int
     world_size: int
+
+    def __init__(self, precision: str = "fp32"):
+        self.precision = precision
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for forward passes: bf16 compute under bf16-mixed; nothing to do otherwise (the weights' dtype
+        decides). Backward runs outside it."""
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @property
     def is_main(self) -> bool:

@@ -26,9 +26,10 @@ def _close_process_group() -> None:
 
 @register("ddp")
 class DDP(Backend):
-    def __init__(self):
+    def __init__(self, precision: str = "fp32"):
         from accelerate import Accelerator
 
+        super().__init__(precision)
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.device, self.rank, self.world_size = self.acc.device, self.acc.process_index, self.acc.num_processes
         if self.world_size > 1:
@@ -36,6 +37,8 @@ class DDP(Backend):
             atexit.register(_close_process_group)
 
     def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
+        if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
+            model = model.to(torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         if warmup_steps is None:
             return Trained(*self.acc.prepare(model, optimizer))
@@ -43,7 +46,8 @@ class DDP(Backend):
         return Trained(*self.acc.prepare(model, optimizer, scheduler))
 
     def freeze(self, model):
-        return model.eval().requires_grad_(False).to(self.device)
+        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
+        return model.eval().requires_grad_(False).to(self.device, dtype)
 
     @contextlib.contextmanager
     def accumulating(self, trained, sync):

@@ -16,12 +16,18 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
-def build_tokenizer():
-    """A character-level `PreTrainedTokenizerFast`: one token per character, plus pad/bos/eos/unk."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A character-level `PreTrainedTokenizerFast`: one token per character, plus pad/bos/eos/unk.
+
+    `vocab_size` pads the vocabulary with tokens `<unused_i>` that text never encodes to, so that a benchmark's
+    model can have a real model's output layer (32,000 rows, say); sampled ones decode to their names.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    tokens = SPECIALS + list(CHARS)
+    tokens += [f"<unused_{i}>" for i in range(max(0, (vocab_size or 0) - len(tokens)))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -26,7 +26,7 @@ from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_
 from posttrain.data import RowSampler
 from posttrain.models.loading import load, stop_token_ids
 from posttrain.models.scoring import token_logprobs, token_values
-from posttrain.schema import RunConfig, cache_root
+from posttrain.schema import RunConfig, cache_root, weights_dtype
 from posttrain.sources import SOURCES, Deps
 from posttrain.train.evaluation import evaluate
 
@@ -53,12 +53,13 @@ class Engine:
         self.plugin = algorithm_of(cfg)
         self.needs = self.plugin.needs(cfg.algorithm)
         self.train_rows, self.test_rows = splits
-        t, a, dtype = cfg.train, cfg.algorithm, cfg.model.dtype
+        t, a = cfg.train, cfg.algorithm
+        dtype, frozen = weights_dtype(t.precision, trained=True), weights_dtype(t.precision, trained=False)
         policy, self.tokenizer = load(model_path, dtype=dtype)
         self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs)
         self.ref = None
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
-            self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=dtype, key="model.ref_path")[0])
+            self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
         self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps)
         self.critic = None
         if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
@@ -76,13 +77,14 @@ class Engine:
         unit = self.plugin.unit
         self.micro = max(unit, t.micro_batch_size // unit * unit)
         ref = self.ref
-        self.source = source.from_deps(Deps(
-            tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
-            sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
-            micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
-            samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
-            judge=self.judge, score_reference=(lambda b: self.score(ref, b.to(backend.device))) if ref else None,
-            model_path=self.model_path, cache_dir=cache_root(cfg)))
+        with backend.autocast():  # sources that sample a fixed set (RFT) do it here
+            self.source = source.from_deps(Deps(
+                tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
+                sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
+                micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
+                samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
+                judge=self.judge, score_reference=(lambda b: self.score(ref, b.to(backend.device))) if ref else None,
+                model_path=self.model_path, cache_dir=cache_root(cfg)))
         if self.source.scores_reference:
             self.ref = None  # the source holds the reference log-probs it needs: the model's memory is freed
         self.roles, self.phases = RoleBytes(), PhasePeaks()
@@ -115,14 +117,16 @@ class Engine:
     @torch.no_grad()
     def score(self, model, batch: Batch) -> torch.Tensor:
         """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
-        return self._per_token(batch, lambda mb: token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                                                                temperature=self.temperature))  # [B, R]
+        with self.backend.autocast():
+                return self._per_token(batch, lambda mb: token_logprobs(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature))  # [B, R]
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """The critic's values of the response positions at sampling time."""
-        return self._per_token(batch, lambda mb: token_values(self.critic.module, mb.input_ids, mb.attention_mask,
-                                                              mb.prompt_len))  # [B, R]
+        with self.backend.autocast():
+            return self._per_token(batch, lambda mb: token_values(self.critic.module, mb.input_ids, mb.attention_mask,
+                                                                  mb.prompt_len))  # [B, R]
 
     # -- update -----------------------------------------------------------------------------------------------
     def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
@@ -133,13 +137,15 @@ class Engine:
         loss_sum, metrics = torch.zeros((), device=backend.device), {}
         for i, mb in enumerate(micro):
             with backend.accumulating(trained, sync=i == len(micro) - 1):  # all-reduced once, after the last
-                logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                                      temperature=self.temperature)  # [b, R]
+                with backend.autocast():
+                    logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                          temperature=self.temperature)  # [b, R] float32
                 gc, m = self.plugin.coefficient(mb, logp.detach(), cfg.algorithm)  # [b, R]
                 loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 backend.backward(loss)
                 if self.critic is not None:
-                    values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
+                    with backend.autocast():
+                        values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
                     per_token, cm = self.plugin.critic_loss(mb, values, cfg.algorithm)  # [b, R]
                     critic_loss = aggregate(per_token, mb.mask, "token_mean", totals)
                     backend.backward(critic_loss)
@@ -184,7 +190,7 @@ class Engine:
     def step(self) -> dict[str, float]:
         t_start = time.perf_counter()
         phases = self.phases
-        with phases.phase("rollout"):  # sampling and rewards for online sources; collation otherwise
+        with phases.phase("rollout"), self.backend.autocast():  # sampling and rewards; collation if offline
             batch, stats = self.source.next()
             batch = batch.to(self.backend.device)
         with phases.phase("scoring"):
@@ -217,6 +223,7 @@ class Engine:
 
     def evaluate(self) -> dict:
         e = self.cfg.eval
-        return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
-                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                        batch_size=e.batch_size, backend=self.backend)
+        with self.backend.autocast():
+            return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
+                            max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                            batch_size=e.batch_size, backend=self.backend)
