@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from posttrain.core.batch import collate
+from posttrain.models import scoring
 from posttrain.models.loading import load
 from posttrain.models.scoring import naive_token_logprobs, position_ids, token_logprobs, token_values
 
@@ -16,10 +17,19 @@ def model_and_batch(tiny_model_dir):
     return model, collate(prompts, responses, tok.pad_token_id)
 
 
+@pytest.fixture(params=["head", "logits"])
+def path(request, monkeypatch):
+    """Each test runs on both scoring paths: the chunked output head, and the logits of models it does not cover."""
+    if request.param == "logits":
+        monkeypatch.setattr(scoring, "HEAD_SCORED_TYPES", frozenset())
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_rows", [1, 5, 4096])
-def test_matches_naive(model_and_batch, temperature, chunk_rows):
+def test_matches_naive(model_and_batch, path, temperature, chunk_rows):
     model, b = model_and_batch
+    assert (scoring.scoring_head(model) is None) == (path == "logits")  # the path under test is the one taken
     with torch.no_grad():
         ours = token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, temperature=temperature,
                               chunk_rows=chunk_rows)
@@ -28,8 +38,9 @@ def test_matches_naive(model_and_batch, temperature, chunk_rows):
     torch.testing.assert_close(ours * b.mask, naive * b.mask, atol=1e-5, rtol=1e-5)
 
 
-def test_gradients_match_naive(model_and_batch):
-    """Chunked, checkpointed scoring back-propagates the same gradient as the naive version."""
+def test_gradients_match_naive(model_and_batch, path):
+    """Chunked scoring (the head's hand-written backward, or checkpointed chunks of logits) back-propagates the same
+    gradient as the naive version."""
     model, b = model_and_batch
     grads = []
     for fn in (lambda: token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, chunk_rows=3),
@@ -89,7 +100,7 @@ def models(tiny_model_dir, model_and_batch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_matches_each_sequence_alone(models, model_and_batch, arch, temperature):
+def test_matches_each_sequence_alone(models, model_and_batch, path, arch, temperature):
     """Padding changes nothing: each row's log-probs are those of its unpadded sequence scored alone, where the model
     numbers positions from 0 by itself: log softmax(logits/τ) at position |q| − 1 + t, taken at response token t."""
     model, _ = models[arch]
@@ -117,7 +128,7 @@ def test_values_are_the_state_before_each_token(models, model_and_batch, arch):
             torch.testing.assert_close(values[i, : len(response)], out[len(prompt) - 1 : -1], atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_model_scores_in_float32(tiny_model_dir, model_and_batch):
+def test_bfloat16_model_scores_in_float32(tiny_model_dir, model_and_batch, path):
     """A bfloat16 model's logits are upcast before the log-normaliser: float32 log-probs equal to the float32
     log_softmax of the same logits."""
     _, b = model_and_batch

@@ -131,15 +131,13 @@ class ScoringHead(torch.nn.Linear):
 def scoring_head(model: torch.nn.Module) -> ScoringHead | None:
     """The model's output head, turned into a `ScoringHead` in place (parameters untouched); None when the model's
     logits are not simply that head applied to its last hidden states."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head else None
-    if isinstance(head, ScoringHead):
-        return head
-    if (type(head) is not torch.nn.Linear or getattr(model.config, "model_type", None) not in HEAD_SCORED_TYPES
-            or not _accepts_logits_to_keep(model.forward)):
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in HEAD_SCORED_TYPES or not _accepts_logits_to_keep(model.forward):
         return None
-    head.__class__ = ScoringHead
-    return head
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.__class__ = ScoringHead
+    return head if isinstance(head, ScoringHead) else None
 
 
 def _token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
