@@ -178,3 +178,29 @@ def test_the_head_never_makes_response_logits(models, model_and_batch, arch):
     assert shapes == [(int(b.mask.sum()),), tuple(logits.shape)]
     assert logits.shape == (*b.input_ids.shape, model.config.vocab_size)
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("model_type", sorted(scoring.HEAD_SCORED_TYPES - {"gpt2"}))  # GPT-2: see `models`
+def test_every_head_scored_type_matches_naive(model_and_batch, model_type):
+    """Each model type the chunked head covers computes its logits as the head applied to the last hidden states and
+    nothing more: values and gradients equal the naive log_softmax for a tiny random model of that type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, b = model_and_batch
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                               pad_token_id=0, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert scoring.scoring_head(model) is not None
+    grads = []
+    for fn in (lambda: token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, temperature=0.7,
+                                      chunk_rows=4),
+               lambda: naive_token_logprobs(model, b.input_ids, b.attention_mask, b.prompt_len, 0.7)):
+        model.zero_grad()
+        logp = fn()
+        (logp * b.mask).sum().backward()
+        grads.append((logp.detach() * b.mask, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    for ours, naive in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(ours, naive, atol=1e-5, rtol=1e-4)

@@ -32,7 +32,7 @@ def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
         description="SFT warm-up of the embedded tiny model", output_dir=str(out_dir), overwrite=True, seed=0,
         model=ModelConfig(path=str(init_dir)), data=task, algorithm=SFTConfig(),
         train=TrainConfig(steps=w.steps, batch_size=w.batch_size, micro_batch_size=w.batch_size, lr=w.lr,
-                          warmup_steps=w.steps // 10, loss_agg="token_mean"),
+                          warmup_steps=w.steps // 10, loss_agg="token_mean", precision=w.precision),
         eval=EvalConfig(num_problems=0),
     )
 

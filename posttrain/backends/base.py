@@ -44,6 +44,15 @@ class Backend:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def place(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Chooses how the model computes attention here. On CPU in bf16 it is eager attention: torch's fused CPU
+        attention runs its bf16 backward about 10x slower than its fp32 one (230 ms against 21 ms for one GRPO
+        update of the embedded model, torch 2.13), while eager attention's bf16 matmuls are fast. Elsewhere the
+        model keeps what it was loaded with (SDPA by default)."""
+        if self.device.type == "cpu" and self.precision != "fp32" and hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")
+        return model
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

@@ -39,6 +39,7 @@ class DDP(Backend):
     def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
         if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
             model = model.to(torch.bfloat16)
+        model = self.place(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         if warmup_steps is None:
             return Trained(*self.acc.prepare(model, optimizer))
@@ -47,7 +48,7 @@ class DDP(Backend):
 
     def freeze(self, model):
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        return model.eval().requires_grad_(False).to(self.device, dtype)
+        return self.place(model.eval().requires_grad_(False).to(self.device, dtype))
 
     @contextlib.contextmanager
     def accumulating(self, trained, sync):

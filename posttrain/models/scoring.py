@@ -29,7 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # Model types whose causal-LM forward computes logits as exactly `lm_head(hidden[:, -logits_to_keep:])`, nothing
-# after it; `tests/test_scoring.py` checks each against the naive log_softmax.
+# after it; `tests/test_scoring.py` checks each, in value and gradient, against the naive log_softmax.
 HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2"})
 
 
