@@ -36,7 +36,8 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/online_rft.py": ["tests/test_rft.py"], "algorithms/dpo.py": ["tests/test_dpo.py"],
          "algorithms/ppo.py": ["tests/test_ppo.py", "tests/test_grpo.py"], "algorithms/grpo.py": ["tests/test_grpo.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
-         "posttrain/models/scoring.py": ["tests/test_scoring.py"]}
+         "posttrain/models/scoring.py": ["tests/test_scoring.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
+         "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"]}
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/online_rft.py", "algorithms/dpo.py", "algorithms/ppo.py",
                                      "algorithms/grpo.py")
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
+HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
 
 MUTANTS = [
@@ -344,6 +346,27 @@ MUTANTS = [
     m("values-positions", SCORE, "token_values", "critic called without position ids",
       "out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))",
       "out = critic(input_ids=input_ids, attention_mask=attention_mask)"),
+    # posttrain/rollout/hf.py: the decode loop and its sampler
+    m("sample-no-temperature", HF, "next_token", "temperature forgotten", "softmax(logits.float() / temperature, -1)",
+      "softmax(logits.float(), -1)"),
+    m("sample-cdf-unscaled", HF, "next_token", "uniform not scaled to the nucleus mass", "* cdf[:, -1:]  #", "#"),
+    m("sample-nucleus-self", HF, "next_token", "nucleus counts each token's own mass",
+      "((probs.cumsum(-1) - probs) < top_p)", "(probs.cumsum(-1) < top_p)"),
+    m("sample-order-lost", HF, "next_token", "sorted index returned, not the token",
+      "(token if order is None else order.gather(-1, token))", "token"),
+    m("decode-position-stuck", HF, "decode", "positions do not advance", "position = position + 1",
+      "position = position + 0"),
+    m("decode-mask-short", HF, "decode", "attention mask one column short", "mask[:, : P + t + 1]", "mask[:, : P + t]"),
+    m("decode-greedy-ignored", HF, "next_token", "greedy samples", "    if greedy:\n        return logits.argmax(-1)",
+      "    if False:\n        return logits.argmax(-1)"),
+    # posttrain/core/batch.py: trimming a micro-batch's padding columns
+    m("trim-left-late", BATCH, "Batch.trimmed", "one real prompt column cut", "left = int(real[:P].float().argmax())",
+      "left = int(real[:P].float().argmax()) + 1"),
+    m("trim-right-short", BATCH, "Batch.trimmed", "last real response column cut",
+      "int(real[P:].nonzero().max()) + 1", "int(real[P:].nonzero().max())"),
+    m("trim-per-token-kept", BATCH, "Batch.trimmed", "per-token tensors not cut",
+      "return t[:, :keep_r] if t.dim() >= 2 and t.shape[1] == R else t", "return t"),
+
 ]
 
 

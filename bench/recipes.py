@@ -24,8 +24,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/recipes")
     p.add_argument("recipes", nargs="*", default=[r for r in ORDER if r in known_recipes()])
-    args, overrides = p.parse_known_args()
-    overrides = [o for o in overrides if o != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # argparse would take the overrides for recipe names
+    args, overrides = p.parse_args(argv[:cut]), argv[cut + 1 :]
     rows = []
     for recipe in args.recipes:
         out = Path(args.out) / recipe
