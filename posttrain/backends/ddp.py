@@ -40,7 +40,7 @@ class DDP(Backend):
         if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
             model = model.to(torch.bfloat16)
         model = self.place(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
         if warmup_steps is None:
             return Trained(*self.acc.prepare(model, optimizer))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
