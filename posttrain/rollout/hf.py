@@ -90,6 +90,13 @@ def _forward_keys(forward) -> frozenset[str]:
     return frozenset(inspect.signature(forward).parameters)
 
 
+def _new_cache(config) -> DynamicCache:
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # transformers before the config argument
+        return DynamicCache()
+
+
 def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0,
                greedy: bool = False) -> torch.Tensor:
     """One token per row from softmax(logits / τ), restricted to the top-p nucleus: [B, V] -> [B].
@@ -118,7 +125,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     """
     B, P = input_ids.shape
     keys = _forward_keys(model.forward)
-    cache = {"cache" if "cache" in keys else "past_key_values": DynamicCache(config=model.config)}
+    # transformers renamed `past_key_values` to `cache` in 5.x; a cache built from the config knows sliding windows.
+    cache = {"cache" if "cache" in keys else "past_key_values": _new_cache(model.config)}
     last = {"logits_to_keep": 1} if "logits_to_keep" in keys else {}
     mask = torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)  # [B, P + R]
     position = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: positions that skip the left padding
