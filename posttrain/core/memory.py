@@ -10,8 +10,6 @@ high-water mark, reset at the start of each phase through /proc/self/clear_refs)
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import resource
 import time
 from collections.abc import Iterable
@@ -67,23 +65,6 @@ def _rss_high_water_kb() -> int | None:
     return None
 
 
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        return None
-
-
-def release_free_heap() -> None:
-    """Hands the C heap's free pages back to the kernel. glibc keeps memory that tensors freed below its mmap
-    threshold; without this, what one phase freed stays resident and the next phase's peak stacks on top of it."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 def _reset_rss_high_water() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -119,7 +100,6 @@ class PhasePeaks:
     @contextlib.contextmanager
     def phase(self, name: str):
         self._high_water(_rss_high_water_kb() is not None)  # what happened since the last phase counts for the run
-        release_free_heap()
         resettable = _reset_rss_high_water()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
