@@ -92,7 +92,7 @@ def test_next_token_samples_the_tempered_nucleus():
     from posttrain.rollout.hf import next_token
 
     torch.manual_seed(0)
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    logits = torch.tensor([0.5, -1.0, 2.0, -3.0, 1.0, 0.0])  # not in order of probability
     draws = 40_000
     for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
         p = torch.softmax(logits / temperature, -1)
