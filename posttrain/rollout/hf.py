@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from posttrain.core.batch import Batch, left_pad
+from posttrain.models.scoring import position_ids
 from posttrain.rollout.base import RolloutEngine, register
 
 
@@ -129,7 +130,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     cache = {"cache" if "cache" in keys else "past_key_values": _new_cache(model.config)}
     last = {"logits_to_keep": 1} if "logits_to_keep" in keys else {}
     mask = torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)  # [B, P + R]
-    position = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]: positions that skip the left padding
+    position = position_ids(attention_mask)  # [B, P]: positions that skip the left padding, as scoring numbers them
     stops = torch.tensor(stop_ids, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position, use_cache=True,
                 **cache, **last)
