@@ -108,3 +108,32 @@ def test_empty_data_and_missing_field(tmp_path, tiny_model_dir):
     assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={rows}",
                                     f"data.test_path={rows}", f"output_dir={tmp_path / 'o'}"),
                           "row 2 has no field 'answer'")
+
+
+ARENAS = """
+import ctypes, os, sys, threading
+from posttrain.core.heap import limit_malloc_arenas
+print(limit_malloc_arenas(), file=sys.stderr)
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+barrier = threading.Barrier(8)
+def work():
+    block = libc.malloc(1 << 16)  # each thread's first malloc takes a heap of its own, up to the cap
+    barrier.wait()
+    libc.free(block)
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc.malloc_stats()  # one "Arena i:" block per heap, on stderr
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("env, capped", [({}, True), ({"MALLOC_ARENA_MAX": "8"}, False)])
+def test_malloc_arenas_are_capped_unless_the_user_set_a_limit(env, capped):
+    proc = subprocess.run([sys.executable, "-c", ARENAS], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env})
+    lines = proc.stderr.splitlines()
+    arenas = sum(line.startswith("Arena ") for line in lines)
+    assert lines[0] == str(capped)
+    assert arenas == 2 if capped else arenas > 2  # 8 threads and the main one: uncapped, more than two heaps

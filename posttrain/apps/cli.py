@@ -16,6 +16,7 @@ import os
 import sys
 
 from posttrain.core.errors import UserError
+from posttrain.core.heap import limit_malloc_arenas
 
 EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.steps=50 rollout.temperature=0.7;
 `posttrain config recipe=NAME` shows every key with its value. Exit status: 0 done, 2 bad input, 1 internal error."""
@@ -125,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    limit_malloc_arenas()  # before torch starts a thread
     args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything posttrain loads is local
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

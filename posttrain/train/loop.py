@@ -16,6 +16,7 @@ from accelerate.utils import set_seed
 from posttrain import backends
 from posttrain.config import algorithm_of
 from posttrain.core.errors import ConfigError
+from posttrain.core.heap import limit_malloc_arenas
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train.checkpoint import Checkpoints
@@ -40,6 +41,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         The summary on the main process, None on the others.
     """
     t_start = time.perf_counter()
+    limit_malloc_arenas()  # a no-op when already set; for runs started from Python rather than the CLI
     run_dir = RunDir(cfg.output_dir, cfg.overwrite)  # refuse a non-empty output_dir before any work
     model_path = model_path or cfg.model.path
     if model_path is None:
