@@ -6,7 +6,10 @@ gathered shard) it copies them in. Each prompt is sampled `n` times (a GRPO grou
 whether it ended with a stop token, and a response mask that ends after the first one.
 
 Decoding is a plain loop over the model's forward with a KV cache, not `model.generate`: one prefill, then one token
-per step with logits only for the last position, stopping as soon as every row has ended. Tokens are drawn by
+per step with logits only for the last position, stopping as soon as every row has ended. The cache is allocated
+once at its full length (prompt + budget) and written in place: a cache grown by concatenation copies itself at
+every token, and its ever larger freed copies left the C heap fragmented (1.3 GB more peak RSS in a ~100M model's
+bf16 rollout). Tokens are drawn by
 inverting the float64 CDF of softmax(logits / τ) with one uniform number per row. That is an exact sample from the
 same distribution `generate` draws from, without the [B, V] exponential noise its `multinomial` draws on CPU, which
 took over half of the rollout time. Greedy decoding returns the same tokens as `generate` (tests/test_rollout.py).
@@ -20,7 +23,7 @@ import inspect
 from collections.abc import Iterable
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from posttrain.core.batch import Batch, left_pad
 from posttrain.models.scoring import position_ids
@@ -91,10 +94,10 @@ def _forward_keys(forward) -> frozenset[str]:
     return frozenset(inspect.signature(forward).parameters)
 
 
-def _new_cache(config) -> DynamicCache:
+def _new_cache(config, length: int):
     try:
-        return DynamicCache(config=config)
-    except TypeError:  # transformers before the config argument
+        return StaticCache(config=config, max_cache_len=length)
+    except TypeError:  # transformers before 5: its StaticCache wants the batch size and dtype up front
         return DynamicCache()
 
 
@@ -127,7 +130,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     B, P = input_ids.shape
     keys = _forward_keys(model.forward)
     # transformers renamed `past_key_values` to `cache` in 5.x; a cache built from the config knows sliding windows.
-    cache = {"cache" if "cache" in keys else "past_key_values": _new_cache(model.config)}
+    cache = {"cache" if "cache" in keys else "past_key_values": _new_cache(model.config, P + max_new_tokens)}
     last = {"logits_to_keep": 1} if "logits_to_keep" in keys else {}
     mask = torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)  # [B, P + R]
     position = position_ids(attention_mask)  # [B, P]: positions that skip the left padding, as scoring numbers them
