@@ -148,6 +148,9 @@ def _token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float)
     return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+CHUNK_LOGITS = 2**23  # logits alive at once when scoring: 32 MiB in float32, whatever the vocabulary
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -155,7 +158,7 @@ def token_logprobs(
     prompt_len: int,
     *,
     temperature: float = 1.0,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """Log-probabilities of the response tokens `input_ids[:, prompt_len:]` under `model`.
 
@@ -165,7 +168,8 @@ def token_logprobs(
         attention_mask: [B, T]; its response part marks the real response tokens (the rest is padding).
         prompt_len: P; the response region is columns P..T-1 (R = T - P columns).
         temperature: logits are divided by it, as when sampling.
-        chunk_rows: about this many token positions (rows of V logits) are reduced at a time.
+        chunk_rows: about this many token positions (rows of V logits) are reduced at a time; None: as many as
+            fit `CHUNK_LOGITS` logits (256 positions at V = 32k, 55 at V = 152k).
 
     Returns:
         [B, R] float32 log-probabilities; 0 at padding positions (mask them anyway).
@@ -176,6 +180,8 @@ def token_logprobs(
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                   use_cache=False)
     head = scoring_head(inner)
+    vocab = head.out_features if head is not None else getattr(getattr(inner, "config", None), "vocab_size", 32_000)
+    chunk_rows = chunk_rows or max(1, CHUNK_LOGITS // vocab)
     if head is None:
         return _from_logits(model, inner, kwargs, prompt_len, temperature, chunk_rows)
     keep = attention_mask[:, prompt_len:].bool()  # [B, R]: position P - 1 + t predicts response token t
