@@ -37,7 +37,8 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/ppo.py": ["tests/test_ppo.py", "tests/test_grpo.py"], "algorithms/grpo.py": ["tests/test_grpo.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
          "posttrain/models/scoring.py": ["tests/test_scoring.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
-         "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"]}
+         "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
+         "posttrain/train/engine.py": ["tests/test_grpo.py"]}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/grpo.py")
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
+TRAIN = "posttrain/train/engine.py"
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
 
 MUTANTS = [
@@ -357,8 +359,20 @@ MUTANTS = [
     m("decode-position-stuck", HF, "decode", "positions do not advance", "position = position + 1",
       "position = position + 0"),
     m("decode-mask-short", HF, "decode", "attention mask one column short", "mask[:, : P + t + 1]", "mask[:, : P + t]"),
-    m("decode-greedy-ignored", HF, "next_token", "greedy samples", "    if greedy:\n        return logits.argmax(-1)",
-      "    if False:\n        return logits.argmax(-1)"),
+    m("decode-greedy-ignored", HF, "next_token", "greedy samples", "    if greedy:\n        token = logits.argmax(-1)",
+      "    if False:\n        token = logits.argmax(-1)"),
+    m("sample-logp-unnormalised", HF, "next_token", "reported log-prob not renormalised to the nucleus",
+      " - cdf[:, -1:].log()", ""),
+    m("sample-logp-untempered", HF, "next_token", "reported log-prob of the untempered softmax",
+      "logp = (probs.gather(-1, token)", "logp = (torch.softmax(logits.float(), -1).gather(-1, token)"),
+    # posttrain/train/engine.py: truncated importance sampling and the mismatch
+    m("tis-uncapped", TRAIN, "tis_weight", "importance weight not truncated", ".clamp(max=cap).detach()", ".detach()"),
+    m("tis-inverted", TRAIN, "tis_weight", "ratio upside down", "torch.exp(trainer - sampled)",
+      "torch.exp(sampled - trainer)"),
+    m("tis-not-applied", TRAIN, "Engine.coefficient", "weight computed, GC left alone", "return gc * weight, {",
+      "return gc, {"),
+    m("mismatch-k1", TRAIN, "mismatch_sums", "k1 (can be negative) instead of k3", "k3 = (d.exp() - 1 - d) * mask",
+      "k3 = -d * mask"),
     # posttrain/core/batch.py: trimming a micro-batch's padding columns
     m("trim-left-late", BATCH, "Batch.trimmed", "one real prompt column cut", "left = int(real[:P].float().argmax())",
       "left = int(real[:P].float().argmax()) + 1"),

@@ -93,13 +93,24 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Sampling engine (`posttrain.rollout`): hf (transformers generate, colocated with the trainer)."""
+    """Sampling engine (`posttrain.rollout`): hf (the trainer's own model, a KV-cache decode loop) or vllm (a vLLM
+    engine in the training process, weights pushed to it after every update; `pip install "posttrain[vllm]"`)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs are scored at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
     max_new_tokens: int = 64
     """Token budget per completion; a completion without EOS by then is truncated."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: each token's GC is multiplied by min(π_trainer / π_rollout, tis_cap), where
+    π_rollout is the probability the rollout engine reported for the token it drew (Yao et al. 2025); null: off."""
+    gpu_memory_utilization: float = 0.3
+    """vllm: the share of the GPU's memory vLLM takes for its weights and KV cache (on CPU: see kv_cache_gb)."""
+    kv_cache_gb: float | None = None
+    """vllm: KV cache size in GiB; null: on a GPU, what gpu_memory_utilization leaves; on CPU, enough for one step's
+    sequences at full length."""
+    max_model_len: int | None = None
+    """vllm: the longest prompt + completion it accepts; null: the model's max_position_embeddings."""
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -108,6 +119,14 @@ class RolloutConfig:
             raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb: must be > 0 or null (got {self.kv_cache_gb})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
 
 
 @dataclass

@@ -34,8 +34,9 @@ def main(model_dir: str, out: str) -> None:
     model = backend.generation_model(engine.policy)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     backend.step(engine.policy, cfg.train.max_grad_norm)
+    top = float(backend.reduce(torch.tensor(float(backend.rank), device=backend.device), "max"))  # the highest rank
     if backend.is_main:
-        torch.save({"world_size": backend.world_size, "grads": grads, "head": type(model.lm_head).__name__,
+        torch.save({"world_size": backend.world_size, "grads": grads, "head": type(model.lm_head).__name__, "max": top,
                     "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}, out)
     backend.barrier()
 

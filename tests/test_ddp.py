@@ -28,6 +28,7 @@ def test_two_rank_update_equals_one_process_on_the_same_global_batch(tiny_model_
     one, both = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["world_size"] == 1 and both["world_size"] == 2
     assert both["head"] == one["head"] == "ScoringHead"  # the chunked head ran inside DDP's forward
+    assert one["max"] == 0 and both["max"] == 1  # reduce(..., "max") across ranks (the mismatch's largest gap)
     assert sum(g.abs().sum() for g in one["grads"].values()) > 0
     for name, grad in one["grads"].items():
         torch.testing.assert_close(both["grads"][name], grad, atol=1e-6, rtol=1e-5)

@@ -9,7 +9,7 @@ from helpers import objective_grad, surrogate_grad, written_out_mean
 
 from posttrain.algorithms import get
 from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_stats
-from posttrain.core.aggregation import MODES
+from posttrain.core.aggregation import MODES, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 
@@ -151,3 +151,53 @@ def test_needs():
 def test_out_of_range(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         GRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1-weights-from-this-forward", "weights-from-old-logp"])
+def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
+    """rollout.tis_cap: the engine's GC (Engine.coefficient) against autograd on Eq. 3 + Eq. 4 with each token's
+    term weighted by the constant min(π_trainer / π_rollout, C), π_trainer taken under the sampling weights."""
+    from types import SimpleNamespace
+
+    from posttrain.train.engine import Engine
+
+    cfg, cap, norm = GRPOConfig(group_size=3, beta=0.04), 1.5, 4.0
+    batch, logp = random_batch(spread=spread)
+    at_sampling = batch.old_logp if batch.old_logp is not None else logp
+    g = torch.Generator().manual_seed(1)
+    batch.rollout_logp = (at_sampling + 0.5 * torch.randn(logp.shape, generator=g)) * batch.mask  # another engine
+    prepared, _ = GRPO.prepare(batch, cfg)
+    engine = Engine.__new__(Engine)  # only what Engine.coefficient reads
+    engine.plugin, engine.cfg, engine.tis_cap, engine.mismatch = GRPO, SimpleNamespace(algorithm=cfg), cap, torch.zeros(3)
+
+    x = logp.clone().requires_grad_(True)
+    gc, metrics = engine.coefficient(prepared, x.detach())
+    (got,) = torch.autograd.grad(-aggregate(gc.detach() * x, prepared.mask, mode, norm=norm), x)
+
+    weight = torch.clamp(torch.exp(at_sampling - batch.rollout_logp), max=cap)  # [B, R], a constant
+    objective = paper_objective(batch, cfg, mode, norm)
+    adv = group_advantages(batch.reward, batch.group, cfg.scale_std, cfg.eps)[:, None]
+
+    def weighted(lp):  # Eq. 3 + 4 with every token's term times its weight, written out
+        old = batch.old_logp if batch.old_logp is not None else lp.detach()
+        ratio = torch.exp(lp - old)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+        kl = torch.exp(batch.ref_logp - lp) - (batch.ref_logp - lp) - 1
+        return written_out_mean(weight * (surrogate - cfg.beta * kl), batch.mask, mode, norm)
+
+    torch.testing.assert_close(got, objective_grad(weighted, logp), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, objective_grad(objective, logp))  # the weights changed the gradient
+    assert 0 < metrics["mismatch/tis_capped"] < 1  # some tokens capped, some not: the cap is exercised
+    if batch.old_logp is None:  # the step's only update: this forward is where the mismatch is measured
+        assert engine.mismatch[1] == batch.mask.sum() and engine.mismatch[0] > 0
+
+
+def test_mismatch_sums_hand_worked():
+    """Δ = log π_trainer − log π_rollout = (0.5, −1) on two tokens, a third masked out: Σ k3 = (e^0.5 − 1.5) +
+    (e^−1 − 1 + 1) = 0.148721 + 0.367879, 2 tokens, max |Δ| = 1."""
+    from posttrain.train.engine import mismatch_sums
+
+    trainer, sampled = torch.tensor([[-1.0, -2.0, -0.1]]), torch.tensor([[-1.5, -1.0, -3.0]])
+    got = mismatch_sums(trainer, sampled, torch.tensor([[1.0, 1.0, 0.0]]))
+    torch.testing.assert_close(got, torch.tensor([0.516600, 2.0, 1.0]), atol=1e-6, rtol=0)

@@ -88,7 +88,8 @@ def test_greedy_decoding_equals_generate(tiny_model_dir):
 
 def test_next_token_samples_the_tempered_nucleus():
     """Frequencies over 40,000 draws match softmax(logits / τ) within 4 standard errors; with top-p the tokens
-    outside the nucleus never come, and the nucleus is renormalised."""
+    outside the nucleus never come, and the nucleus is renormalised. Each token's reported log-probability is its
+    log-probability under that distribution."""
     from posttrain.rollout.hf import next_token
 
     torch.manual_seed(0)
@@ -100,10 +101,29 @@ def test_next_token_samples_the_tempered_nucleus():
             more_likely = torch.stack([p[p > q].sum() for q in p])  # [V]
             p = p * (more_likely < top_p)
             p = p / p.sum()
-        tokens = next_token(logits.expand(draws, -1), temperature=temperature, top_p=top_p)
+        tokens, logp = next_token(logits.expand(draws, -1), temperature=temperature, top_p=top_p)
+        torch.testing.assert_close(logp, p.log()[tokens].float())
         freq = torch.bincount(tokens, minlength=len(logits)).double() / draws
         se = (p * (1 - p) / draws).sqrt()
         assert ((freq - p).abs() <= 4 * se + 1e-12).all(), (temperature, top_p, freq, p)
         if top_p < 1:
             assert freq[p == 0].sum() == 0 and (p == 0).any()
-    assert next_token(logits[None], greedy=True).item() == 2
+    token, logp = next_token(logits[None], greedy=True)
+    assert token.item() == 2
+    torch.testing.assert_close(logp, logits.log_softmax(-1)[2:3])
+
+
+def test_reported_logprobs_are_the_trainers_in_fp32(tiny_model_dir):
+    """The sampled tokens' log-probs that the decode loop reports equal what scoring computes for the same tokens
+    at the same temperature (KV-cache decoding against one full forward), and are 0 on padding."""
+    from posttrain.models.scoring import token_logprobs
+
+    engine, tok = hf_engine(tiny_model_dir)
+    torch.manual_seed(0)
+    batch = engine.generate([tok("Q: 1\nA: ")["input_ids"], tok("Q: 22+3\nA: ")["input_ids"]], 8, max_new_tokens=12,
+                            temperature=0.7)
+    with torch.no_grad():
+        trainer = token_logprobs(engine.model, batch.input_ids, batch.attention_mask, batch.prompt_len,
+                                 temperature=0.7)  # [B, R]
+    assert batch.rollout_logp.shape == batch.mask.shape and (batch.rollout_logp[batch.mask == 0] == 0).all()
+    torch.testing.assert_close(batch.rollout_logp * batch.mask, trainer * batch.mask, atol=1e-4, rtol=0)

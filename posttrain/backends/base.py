@@ -79,7 +79,7 @@ class Backend:
         raise NotImplementedError
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """`op` ("sum" or "mean") of `tensor` over every process."""
+        """`op` ("sum", "mean" or "max") of `tensor` over every process."""
         raise NotImplementedError
 
     def barrier(self) -> None:

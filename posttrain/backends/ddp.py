@@ -70,6 +70,11 @@ class DDP(Backend):
         return norm
 
     def reduce(self, tensor, op):
+        if op == "max":  # accelerate reduces by sum or mean only
+            if self.world_size > 1:
+                tensor = tensor.clone()
+                torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            return tensor
         return self.acc.reduce(tensor, op)
 
     def barrier(self):

@@ -24,6 +24,7 @@ class Batch:
     reward: torch.Tensor | None = None  # [B] scalar reward per sequence
     truncated: torch.Tensor | None = None  # [B] bool, no EOS within the token budget
     old_logp: torch.Tensor | None = None  # [B, R] log π_old, the policy that sampled the batch
+    rollout_logp: torch.Tensor | None = None  # [B, R] log-probs the rollout engine reported for the tokens it drew
     ref_logp: torch.Tensor | None = None  # [B, R] log π_ref
     adv: torch.Tensor | None = None  # [B] or [B, R] advantage
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, ...] per-sample tensors a plugin adds

@@ -9,8 +9,8 @@ right-padded to R, a response mask that ends at the first stop token, `group` (w
 `truncated` (no stop token within the budget).
 """
 
-from posttrain.rollout.base import ENGINES, RolloutEngine, get, register
+from posttrain.rollout.base import ENGINES, RolloutEngine, Setup, get, register
 
-__all__ = ["ENGINES", "RolloutEngine", "get", "register"]
+__all__ = ["ENGINES", "RolloutEngine", "Setup", "get", "register"]
 
 from posttrain.rollout import hf  # noqa: E402,F401  (the built-in engines register themselves)

@@ -3,17 +3,48 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from posttrain.core.batch import Batch
 from posttrain.core.registry import Registry
+from posttrain.schema import RolloutConfig
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a run hands its rollout engine to start from; each engine takes what it needs."""
+
+    policy: torch.nn.Module  # the trainer's policy, unwrapped: a colocated engine samples from it directly
+    model_path: Path  # the starting policy's directory: an engine with its own copy of the weights loads it
+    pad_id: int
+    stop_ids: list[int]  # every token id that ends a completion
+    sampling: RolloutConfig  # the rollout.* keys
+    precision: str  # train.precision
+    seed: int
+    max_seqs: int  # the most sequences one call samples (a step's prompts × samples per prompt)
 
 
 class RolloutEngine:
-    """The interface. Subclasses implement all four methods."""
+    """The interface. Subclasses implement `start` and the four methods after it.
+
+    `generate` also reports, in `Batch.rollout_logp`, each sampled token's log-probability under the distribution it
+    was drawn from (softmax(logits / τ), renormalised to the top-p nucleus); greedy batches report log softmax(logits).
+    The engine compares them with the trainer's to measure the train-inference mismatch.
+    """
 
     name: str = ""
+
+    @classmethod
+    def check(cls) -> None:
+        """Raises ConfigError when this engine cannot run here (its library is missing); cheap, imports nothing."""
+
+    @classmethod
+    def start(cls, setup: Setup) -> RolloutEngine:
+        """The engine for a run."""
+        raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, greedy: bool = False) -> Batch:

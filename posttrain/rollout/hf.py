@@ -27,12 +27,12 @@ from transformers import DynamicCache, StaticCache
 
 from posttrain.core.batch import Batch, left_pad
 from posttrain.models.scoring import position_ids
-from posttrain.rollout.base import RolloutEngine, register
+from posttrain.rollout.base import RolloutEngine, Setup, register
 
 
 @register("hf")
 class HFEngine(RolloutEngine):
-    """Sampling with `model.generate`.
+    """Sampling from the trainer's own policy module, in a KV-cache decode loop.
 
     Args:
         model: an unwrapped Hugging Face causal LM.
@@ -42,6 +42,10 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model, *, pad_id: int, stop_ids: list[int]):
         self.model, self.pad_id, self.stop_ids = model, pad_id, list(stop_ids)
+
+    @classmethod
+    def start(cls, setup: Setup) -> HFEngine:
+        return cls(setup.policy, pad_id=setup.pad_id, stop_ids=setup.stop_ids)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
@@ -53,8 +57,8 @@ class HFEngine(RolloutEngine):
         was_training = model.training
         model.eval()
         try:
-            response = decode(model, input_ids, attention_mask, max_new_tokens, stop_ids=self.stop_ids, pad_id=pad,
-                              temperature=temperature, top_p=top_p, greedy=greedy)  # [B, R]
+            response, logp = decode(model, input_ids, attention_mask, max_new_tokens, stop_ids=self.stop_ids,
+                                    pad_id=pad, temperature=temperature, top_p=top_p, greedy=greedy)  # [B, R] x2
         finally:
             model.train(was_training)
         R = response.shape[1]
@@ -66,7 +70,7 @@ class HFEngine(RolloutEngine):
         return Batch(
             input_ids=torch.cat([input_ids, response], 1), attention_mask=torch.cat([attention_mask, mask.long()], 1),
             mask=mask, prompt_len=P, group=torch.arange(len(prompts), device=device).repeat_interleave(n),
-            truncated=~ended,
+            truncated=~ended, rollout_logp=logp * mask,
         )
 
     @torch.no_grad()
@@ -94,22 +98,51 @@ def _forward_keys(forward) -> frozenset[str]:
     return frozenset(inspect.signature(forward).parameters)
 
 
+_STATIC = {"ok": True}  # False once this transformers' StaticCache has failed on mixed key/value dtypes
+
+
 def _new_cache(config, length: int):
+    if _STATIC["ok"]:
+        try:
+            return StaticCache(config=config, max_cache_len=length)
+        except TypeError:  # transformers before 5: its StaticCache wants the batch size and dtype up front
+            pass
     try:
-        return StaticCache(config=config, max_cache_len=length)
-    except TypeError:  # transformers before 5: its StaticCache wants the batch size and dtype up front
+        return DynamicCache(config=config)
+    except TypeError:  # transformers before the config argument
         return DynamicCache()
 
 
+def _prefill(model, cache_key: str, length: int, **inputs):
+    """The prompt's forward, filling a new cache; returns (output, cache).
+
+    Under bf16 autocast the rotary embedding leaves keys in float32 and values in bf16. transformers before 5.20
+    allocates a static layer in the keys' dtype for both and then fails to copy the values in; there the decode loop
+    falls back to a growing cache for the rest of the process.
+    """
+    cache = _new_cache(model.config, length)
+    try:
+        return model(**inputs, **{cache_key: cache}), cache
+    except RuntimeError as err:
+        if not isinstance(cache, StaticCache) or "same dtype" not in str(err):
+            raise
+        _STATIC["ok"] = False
+        cache = _new_cache(model.config, length)
+        return model(**inputs, **{cache_key: cache}), cache
+
+
 def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0,
-               greedy: bool = False) -> torch.Tensor:
-    """One token per row from softmax(logits / τ), restricted to the top-p nucleus: [B, V] -> [B].
+               greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / τ), restricted to the top-p nucleus: [B, V] -> [B], [B].
 
     The nucleus keeps, in order of probability, every token whose more likely tokens hold less than `top_p` of the
     mass (so at least the most likely one). Sampling inverts the float64 CDF at one uniform number per row.
+    Also returns each token's log-probability under the distribution it was drawn from: the nucleus renormalised,
+    or log softmax(logits) when greedy.
     """
     if greedy:
-        return logits.argmax(-1)
+        token = logits.argmax(-1)  # [B]
+        return token, logits.float().log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
     probs = torch.softmax(logits.float() / temperature, -1)  # [B, V]
     order = None
     if top_p < 1.0:
@@ -118,34 +151,37 @@ def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float =
     cdf = probs.double().cumsum_(-1)  # [B, V]
     u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]  # [B, 1] in [0, total)
     token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)  # [B, 1]
-    return (token if order is None else order.gather(-1, token)).squeeze(-1)
+    logp = (probs.gather(-1, token).double().log() - cdf[:, -1:].log()).float().squeeze(-1)  # [B]
+    return (token if order is None else order.gather(-1, token)).squeeze(-1), logp
 
 
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
-           stop_ids: list[int], pad_id: int, **sampling) -> torch.Tensor:
-    """Continues each left-padded prompt by up to `max_new_tokens` tokens: [B, P] -> [B, R], R ≤ max_new_tokens.
+           stop_ids: list[int], pad_id: int, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continues each left-padded prompt by up to `max_new_tokens` tokens: [B, P] -> [B, R], R ≤ max_new_tokens,
+    with the tokens' log-probabilities as `next_token` gives them ([B, R] float32).
 
     After a row emits a stop token it is fed `pad_id`; decoding ends when every row has stopped.
     """
     B, P = input_ids.shape
     keys = _forward_keys(model.forward)
     # transformers renamed `past_key_values` to `cache` in 5.x; a cache built from the config knows sliding windows.
-    cache = {"cache" if "cache" in keys else "past_key_values": _new_cache(model.config, P + max_new_tokens)}
+    cache_key = "cache" if "cache" in keys else "past_key_values"
     last = {"logits_to_keep": 1} if "logits_to_keep" in keys else {}
     mask = torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)  # [B, P + R]
     position = position_ids(attention_mask)  # [B, P]: positions that skip the left padding, as scoring numbers them
     stops = torch.tensor(stop_ids, device=input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position, use_cache=True,
-                **cache, **last)
+    out, cache = _prefill(model, cache_key, P + max_new_tokens, input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position, use_cache=True, **last)
     position = position[:, -1:]  # [B, 1]
-    tokens, done = [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    tokens, logps, done = [], [], torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for t in range(max_new_tokens):
-        token = next_token(out.logits[:, -1], **sampling).masked_fill_(done, pad_id)  # [B]
-        tokens.append(token)
+        token, logp = next_token(out.logits[:, -1], **sampling)  # [B], [B]
+        tokens.append(token.masked_fill_(done, pad_id))
+        logps.append(logp.masked_fill_(done, 0.0))
         done |= torch.isin(token, stops)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         position = position + 1
         out = model(input_ids=token[:, None], attention_mask=mask[:, : P + t + 1], position_ids=position,
-                    use_cache=True, **cache, **last)
-    return torch.stack(tokens, 1)  # [B, R]
+                    use_cache=True, **{cache_key: cache}, **last)
+    return torch.stack(tokens, 1), torch.stack(logps, 1)  # [B, R], [B, R]

@@ -67,9 +67,17 @@ class Engine:
                              key="algorithm.critic_path" if a.critic_path else "model.path")
             self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay)
         sampler = backend.generation_model(self.policy)
-        self.rollout = rollout.get(cfg.rollout.engine)(sampler, pad_id=self.tokenizer.pad_token_id,
-                                                       stop_ids=stop_token_ids(sampler, self.tokenizer))
+        self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
+            policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
+            stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=t.precision,
+            seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * self.plugin.samples_per_prompt(a),
+                                                       cfg.eval.batch_size)))
         source = SOURCES.find(self.plugin.source)
+        self.tis_cap = cfg.rollout.tis_cap
+        if source.on_policy and self.plugin.epochs(a) * self.plugin.minibatches(a) > 1:
+            # The trainer's log-probs under the sampling weights, for the mismatch and truncated IS: after the first
+            # optimizer step the update's own forward no longer gives them.
+            self.needs = self.needs | {"old_logp"}
         # Samples of the current policy are scored at the sampling temperature; fixed responses at 1.
         self.temperature = cfg.rollout.temperature if source.on_policy else 1.0
         self.mode, self.norm = self.plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or
@@ -88,6 +96,7 @@ class Engine:
         if self.source.scores_reference:
             self.ref = None  # the source holds the reference log-probs it needs: the model's memory is freed
         self.roles, self.phases = RoleBytes(), PhasePeaks()
+        self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         rm = getattr(self.judge.reward_model, "model", None)
         for role, model in (("policy_weights", sampler), ("reference_weights", ref),
                             ("critic_weights", self.critic and self.critic.module), ("reward_model_weights", rm)):
@@ -128,6 +137,12 @@ class Engine:
             return self._per_token(batch, lambda mb: token_values(self.critic.module, mb.input_ids, mb.attention_mask,
                                                                   mb.prompt_len))  # [B, R]
 
+    def observe_mismatch(self, trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> None:
+        """Adds tokens to this step's train-inference mismatch: `self.mismatch` = [Σ k3, tokens, max |Δ log π|]."""
+        s = mismatch_sums(trainer, sampled, mask)
+        self.mismatch[:2] += s[:2]
+        self.mismatch[2] = torch.maximum(self.mismatch[2], s[2])
+
     # -- update -----------------------------------------------------------------------------------------------
     def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
@@ -140,7 +155,7 @@ class Engine:
                 with backend.autocast():
                     logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
                                           temperature=self.temperature)  # [b, R] float32
-                gc, m = self.plugin.coefficient(mb, logp.detach(), cfg.algorithm)  # [b, R]
+                gc, m = self.coefficient(mb, logp.detach())  # [b, R]
                 loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 backend.backward(loss)
                 if self.critic is not None:
@@ -155,6 +170,23 @@ class Engine:
                 metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
         metrics["loss"] = loss_sum
         return metrics
+
+    def coefficient(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the truncated
+        importance weight when `rollout.tis_cap` is set and the rollout engine reported its log-probs."""
+        gc, m = self.plugin.coefficient(mb, logp, self.cfg.algorithm)  # [b, R]
+        if mb.rollout_logp is None:
+            return gc, m
+        # log π_trainer under the weights that sampled: old_logp, or this forward when it is the step's only update
+        # (the engine asks for old_logp otherwise)
+        at_sampling = mb.old_logp if mb.old_logp is not None else logp  # [b, R]
+        if mb.old_logp is None:
+            self.observe_mismatch(at_sampling, mb.rollout_logp, mb.mask)
+        if self.tis_cap is None:
+            return gc, m
+        weight = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap)  # [b, R]
+        capped = ((weight == self.tis_cap).float() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+        return gc * weight, {**m, "mismatch/tis_capped": capped}
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """One optimizer step (policy, and critic if any) on the gradient of the whole batch."""
@@ -200,6 +232,9 @@ class Engine:
                 batch.old_logp = self.score(self.policy.module, batch)
             if self.critic is not None:
                 batch.extra["values"] = self.values(batch)
+        self.mismatch = torch.zeros(3, device=self.backend.device)
+        if batch.rollout_logp is not None and batch.old_logp is not None:
+            self.observe_mismatch(batch.old_logp, batch.rollout_logp, batch.mask)
         batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
@@ -216,6 +251,10 @@ class Engine:
         metrics = {**prep, **mean_metrics(updates)}
         reduced = {k: float(self.backend.reduce(torch.as_tensor(v, device=self.backend.device).float(), "mean"))
                    for k, v in sorted(metrics.items())}
+        if batch.rollout_logp is not None:
+            kl, tokens = self.backend.reduce(self.mismatch[:2], "sum").tolist()
+            reduced["mismatch/kl"] = kl / max(tokens, 1.0)
+            reduced["mismatch/max"] = float(self.backend.reduce(self.mismatch[2], "max"))
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
         return {**stats, **reduced, "trained_tokens": trained, "lr": self.policy.scheduler.get_last_lr()[0],
@@ -227,3 +266,21 @@ class Engine:
             return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
                             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                             batch_size=e.batch_size, backend=self.backend)
+
+
+def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[Σ k3, Σ tokens, max |Δ|] over the response tokens, where Δ = log π_trainer − log π_rollout of each sampled
+    token and k3 = e^Δ − 1 − Δ ≥ 0, whose mean estimates KL(π_rollout ‖ π_trainer) from the rollout's own samples."""
+    d = (trainer - sampled) * mask  # [B, R]
+    k3 = (d.exp() - 1 - d) * mask  # [B, R]
+    return torch.stack([k3.sum(), mask.sum(), d.abs().max() if d.numel() else d.new_zeros(())])
+
+
+def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling's per-token factor on GC, min(π_trainer / π_rollout, C): [B, R] -> [B, R].
+
+    The rollout engine draws o_t from π_rollout, which differs from the π_trainer the gradient assumes (other
+    kernels, another precision). Weighting each token's term by the capped ratio corrects that, with variance bounded
+    by C. A constant of the gradient, like the advantage (no gradient flows through it).
+    """
+    return torch.exp(trainer - sampled).clamp(max=cap).detach()
