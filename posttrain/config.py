@@ -148,7 +148,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
     rewards.combine(cfg.rewards)  # unknown reward names and bad weights fail here, with the rest of the config
-    rollout.get(cfg.rollout.engine)
+    rollout.get(cfg.rollout.engine).check()  # an engine whose library is missing fails here, before any work
     backends.get(cfg.train.backend)
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"]}

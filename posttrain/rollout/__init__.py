@@ -13,4 +13,4 @@ from posttrain.rollout.base import ENGINES, RolloutEngine, Setup, get, register
 
 __all__ = ["ENGINES", "RolloutEngine", "Setup", "get", "register"]
 
-from posttrain.rollout import hf  # noqa: E402,F401  (the built-in engines register themselves)
+from posttrain.rollout import hf, vllm  # noqa: E402,F401  (the built-in engines register themselves)

@@ -52,6 +52,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
     engine = Engine(cfg, model_path, backend, splits)
+    summary["rollout_engine"] = engine.rollout.name  # the engine that really started
     out = run_dir.create() if main else run_dir.path
     if main:
         import yaml
