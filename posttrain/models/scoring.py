@@ -148,7 +148,8 @@ def _token_logp(logits: torch.Tensor, targets: torch.Tensor, temperature: float)
     return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-CHUNK_LOGITS = 2**23  # logits alive at once when scoring: 32 MiB in float32, whatever the vocabulary
+CHUNK_LOGITS = 2**23  # at most this many logits alive at once when scoring: 32 MiB in float32
+CHUNK_ROWS = 1024  # and at most this many positions: larger chunks gain nothing on a small vocabulary
 
 
 def token_logprobs(
@@ -169,7 +170,8 @@ def token_logprobs(
         prompt_len: P; the response region is columns P..T-1 (R = T - P columns).
         temperature: logits are divided by it, as when sampling.
         chunk_rows: about this many token positions (rows of V logits) are reduced at a time; None: as many as
-            fit `CHUNK_LOGITS` logits (256 positions at V = 32k, 55 at V = 152k).
+            fit `CHUNK_LOGITS` logits, at most `CHUNK_ROWS` (256 positions at V = 32k, 55 at V = 152k, 1024 at
+            V ≤ 8192).
 
     Returns:
         [B, R] float32 log-probabilities; 0 at padding positions (mask them anyway).
@@ -181,7 +183,7 @@ def token_logprobs(
                   use_cache=False)
     head = scoring_head(inner)
     vocab = head.out_features if head is not None else getattr(getattr(inner, "config", None), "vocab_size", 32_000)
-    chunk_rows = chunk_rows or max(1, CHUNK_LOGITS // vocab)
+    chunk_rows = chunk_rows or max(1, min(CHUNK_ROWS, CHUNK_LOGITS // vocab))
     if head is None:
         return _from_logits(model, inner, kwargs, prompt_len, temperature, chunk_rows)
     keep = attention_mask[:, prompt_len:].bool()  # [B, R]: position P - 1 + t predicts response token t
