@@ -13,7 +13,7 @@ from posttrain.train import Engine
 
 def grpo_gradient(model_dir, tmp_path, precision):
     """One GRPO backward on a fixed batch (the fp32 engine samples it, with seed 0) under `precision`; returns the
-    engine, the float32 gradient and the dtypes the decoder's first linear layer computed in."""
+    engine, the float32 gradient and the dtypes the first attention projection computed in."""
     cfg, _ = config.load("grpo_math", [f"model.path={model_dir}", f"output_dir={tmp_path / precision}",
                                        f"train.precision={precision}", "algorithm.beta=0.1", "train.batch_size=2",
                                        "algorithm.group_size=4", "data.train_size=50", "data.test_size=5"])
@@ -26,7 +26,7 @@ def grpo_gradient(model_dir, tmp_path, precision):
     batch.ref_logp = engine.score(engine.ref, batch)
     batch, _ = engine.plugin.prepare(batch, cfg.algorithm)
     seen = []
-    layer = engine.policy.module.model.layers[0].mlp.up_proj
+    layer = engine.policy.module.model.layers[0].self_attn.q_proj
     hook = layer.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
     engine.accumulate(batch, Totals.of(batch.mask))
     hook.remove()

@@ -24,6 +24,7 @@ from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
 from posttrain.data import RowSampler
+from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
 from posttrain.models.scoring import token_logprobs, token_values
 from posttrain.schema import RunConfig, cache_root, weights_dtype
@@ -56,6 +57,7 @@ class Engine:
         t, a = cfg.train, cfg.algorithm
         dtype, frozen = weights_dtype(t.precision, trained=True), weights_dtype(t.precision, trained=False)
         policy, self.tokenizer = load(model_path, dtype=dtype)
+        lean_gated_mlps(policy)  # trained models keep two of each MLP's four activations for backward
         self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs)
         self.ref = None
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
@@ -65,6 +67,7 @@ class Engine:
         if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
             critic, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=self.tokenizer,
                              key="algorithm.critic_path" if a.critic_path else "model.path")
+            lean_gated_mlps(critic)
             self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay)
         sampler = backend.generation_model(self.policy)
         self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
