@@ -17,11 +17,39 @@ from posttrain.core.errors import ConfigError
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0
+    """LoRA rank (Hu et al. 2021, via peft); 0 trains every weight. With r > 0 only the adapters (and a critic's value
+    head) are trained, and the reference is the policy with its adapter switched off: no second model is loaded."""
+    alpha: float = 16.0
+    """Scale of the update, alpha / r times B·A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input; keep 0 for RL, where scoring and sampling must see the same policy."""
+    target_modules: str = "all-linear"
+    """Layers that get an adapter: all-linear (every linear layer but the output head), or comma-separated names
+    such as q_proj,v_proj."""
+    merge: bool = False
+    """Also write output_dir/merged_model: the base with the adapter merged in, an ordinary model directory."""
+
+    def __post_init__(self):
+        if self.r < 0:
+            raise ConfigError(f"r: must be ≥ 0 (got {self.r})")
+        if self.alpha <= 0:
+            raise ConfigError(f"alpha: must be > 0 (got {self.alpha})")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout: must be in [0, 1) (got {self.dropout})")
+        if not [m for m in self.target_modules.split(",") if m.strip()]:
+            raise ConfigError("target_modules: name at least one layer, or all-linear")
+
+
+@dataclass
 class ModelConfig:
     path: str | None = None
     """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
     ref_path: str | None = None
     """Reference model directory for methods with a KL or a reference (GRPO β > 0, DPO, PPO); null: the start."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (`model.lora.r` > 0)."""
 
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 HERE = Path(__file__).parent
@@ -38,15 +39,21 @@ def test_two_rank_update_equals_one_process_on_the_same_global_batch(tiny_model_
         torch.testing.assert_close(both["weights"][name][clear], one["weights"][name][clear], atol=1e-6, rtol=1e-5)
 
 
-def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path):
-    """The README's multi-process command: `torchrun --nproc_per_node 2 -m posttrain run …` exits 0 on both ranks."""
+@pytest.mark.parametrize("extra", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path, extra):
+    """The README's multi-process command: `torchrun --nproc_per_node 2 -m posttrain run …` exits 0 on both ranks,
+    training every weight or a LoRA adapter (whose reference is the base with the adapter off on each rank)."""
     out = tmp_path / "ddp"
     proc = torchrun("-m", "posttrain", "run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}",
                     "train.steps=2", "train.batch_size=2", "algorithm.group_size=2", "train.micro_batch_size=3",
-                    "rollout.max_new_tokens=6", "eval.num_problems=6", "data.train_size=100", "data.test_size=20")
+                    "rollout.max_new_tokens=6", "eval.num_problems=6", "data.train_size=100", "data.test_size=20",
+                    *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2
+    if extra:
+        assert (out / "model" / "adapter_config.json").is_file()
+        assert summary["parameters"]["trained"] < summary["parameters"]["total"]
     assert summary["eval_before"]["num_problems"] == 6  # each rank scored 3; the counts were summed
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert proc.stdout.count("held-out accuracy") == 1  # printed by rank 0 only

@@ -84,14 +84,19 @@ def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):
 
 
 def test_each_step_hands_the_new_weights_to_the_rollout_engine(tiny_model_dir, tmp_path):
-    """After the update the rollout engine is given every policy parameter as the optimizer left them (an engine
-    holding its own copy, such as vLLM, samples from stale weights otherwise)."""
+    """After the update a rollout engine holding its own copy of the weights (vLLM) is given every policy parameter
+    as the optimizer left them, or it samples from stale weights; one sampling from the trained module itself (the
+    HF engine, colocated) is given nothing."""
     cfg, _ = config.load("sft_math", [f"model.path={tiny_model_dir}", "train.batch_size=4", "train.lr=1e-2",
                                       "data.train_size=50", "data.test_size=5"])
     engine = make_engine(cfg, tiny_model_dir)
     before = {n: p.detach().clone() for n, p in engine.rollout.model.named_parameters()}
     handed = []
     engine.rollout.load_weights = lambda weights: handed.append({n: t.detach().clone() for n, t in weights})
+    assert engine.rollout.colocated and engine.weight_sync == "none"
+    engine.step()
+    assert handed == []
+    engine.rollout.colocated = False  # as an engine with its own copy
     torch.manual_seed(0)
     metrics = engine.step()
     assert len(handed) == 1 and handed[0].keys() == before.keys()

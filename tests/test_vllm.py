@@ -118,6 +118,33 @@ def test_weight_sync_samples_from_the_trained_policy(engines):
     torch.testing.assert_close(got.rollout_logp, want.rollout_logp, atol=1e-4, rtol=0)
 
 
+@needs_vllm
+def test_lora_merged_weights_sync_into_vllm(engines, model_dir):
+    """An adapted policy (random B, so the adapter matters) synced as merged weights: vLLM samples what the adapted
+    HF model does, greedy tokens and log-probs."""
+    import peft
+
+    from posttrain.models import lora
+
+    vllm_engine, _, tok = engines
+    base, _ = load(model_dir)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    hf = HFEngine(lora.hf_model(adapted), pad_id=tok.pad_token_id, stop_ids=stop_token_ids(base, tok))
+    prompts = ids(tok, PROMPTS)
+    want = hf.generate(prompts, 1, max_new_tokens=10, greedy=True)
+    plain = HFEngine(load(model_dir)[0], pad_id=tok.pad_token_id, stop_ids=hf.stop_ids)
+    assert not torch.equal(plain.generate(prompts, 1, max_new_tokens=10, greedy=True).input_ids, want.input_ids)
+    vllm_engine.load_weights(lora.merged_weights(adapted))
+    got = vllm_engine.generate(prompts, 1, max_new_tokens=10, greedy=True)
+    assert torch.equal(got.input_ids, want.input_ids)
+    torch.testing.assert_close(got.rollout_logp, want.rollout_logp, atol=1e-4, rtol=0)
+
+
 def run_cli(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, cwd=cwd)
 
@@ -160,3 +187,17 @@ def test_grpo_on_vllm_lifts_accuracy_and_logs_the_mismatch(tmp_path):
     assert all(m["time/weight_sync"] > 0 and 0 <= m["mismatch/kl"] < 0.01 and m["mismatch/max"] > 0 for m in metrics)
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     assert after >= before + 0.10, (before, after)
+
+
+@needs_vllm
+def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path):
+    out = tmp_path / "lora"
+    proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", f"model.path={model_dir}", f"output_dir={out}",
+                   "model.lora.r=4", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
+                   "eval.num_problems=4", "rollout.max_new_tokens=8", "data.train_size=20", "data.test_size=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollout_engine"] == "vllm" and summary["weight_sync"] == "merged"
+    assert "reference_weights" not in summary["memory"]["roles_bytes"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["time/weight_sync"] > 0 and m["mismatch/kl"] < 0.01 for m in metrics)

@@ -90,11 +90,13 @@ class Backend:
         raise NotImplementedError
 
     def weights(self, trained: Trained) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter, layer by layer, as the rollout engine loads them."""
+        """(name, full tensor) of every weight, layer by layer, as the plain model names them (a LoRA adapter merged
+        in), for a rollout engine that holds its own copy."""
         raise NotImplementedError
 
-    def save(self, trained: Trained, tokenizer, path: Path) -> None:
-        """Writes the model and tokenizer as one Hugging Face directory (every process calls it)."""
+    def save(self, trained: Trained, tokenizer, path: Path, merged: bool = False) -> None:
+        """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
+        writes its adapter, or with `merged` the base with the adapter merged in."""
         raise NotImplementedError
 
 

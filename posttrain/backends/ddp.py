@@ -1,6 +1,6 @@
 """Data parallel through accelerate: one process by default, DDP when launched with several (torchrun).
 
-Every process holds the whole model, its gradients and its AdamW state. DDP averages gradients over processes; the
+Every process holds the whole model, its gradients and its AdamW state (of the adapters alone under LoRA). DDP averages gradients over processes; the
 engine's losses are already divided by the token and sequence counts of the whole step across processes, so
 `backward` multiplies by the process count to turn that average back into the sum, and the update does not depend on
 how a batch is split over processes or micro-batches.
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from posttrain.backends.base import Backend, Trained, register
+from posttrain.models import lora
 
 
 def _close_process_group() -> None:
@@ -40,7 +41,8 @@ class DDP(Backend):
         if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
             model = model.to(torch.bfloat16)
         model = self.place(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+        trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a value head) only
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=True)
         if warmup_steps is None:
             return Trained(*self.acc.prepare(model, optimizer))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
@@ -84,9 +86,17 @@ class DDP(Backend):
         return self.acc.unwrap_model(trained.module)
 
     def weights(self, trained) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.generation_model(trained).named_parameters()
+        model = self.generation_model(trained)
+        yield from lora.merged_weights(model) if lora.is_adapted(model) else model.named_parameters()
 
-    def save(self, trained, tokenizer, path: Path):
-        if self.is_main:  # every process holds the same weights
-            self.generation_model(trained).save_pretrained(path, safe_serialization=True)
-            tokenizer.save_pretrained(path)
+    def save(self, trained, tokenizer, path: Path, merged: bool = False):
+        if not self.is_main:  # every process holds the same weights
+            return
+        model = self.generation_model(trained)
+        if not lora.is_adapted(model):
+            model.save_pretrained(path, safe_serialization=True)
+        elif merged:
+            lora.save_merged(model, path)
+        else:
+            lora.save_adapter(model, path)
+        tokenizer.save_pretrained(path)

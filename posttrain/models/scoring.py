@@ -28,6 +28,8 @@ import inspect
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from posttrain.models.lora import hf_model
+
 # Model types whose causal-LM forward computes logits as exactly `lm_head(hidden[:, -logits_to_keep:])`, nothing
 # after it; `tests/test_scoring.py` checks each, in value and gradient, against the naive log_softmax.
 HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2"})
@@ -164,7 +166,7 @@ def token_logprobs(
     """Log-probabilities of the response tokens `input_ids[:, prompt_len:]` under `model`.
 
     Args:
-        model: a Hugging Face causal LM, possibly wrapped (DDP).
+        model: a Hugging Face causal LM, possibly wrapped (DDP, a peft adapter).
         input_ids: [B, T] prompt left-padded to `prompt_len`, then the response.
         attention_mask: [B, T]; its response part marks the real response tokens (the rest is padding).
         prompt_len: P; the response region is columns P..T-1 (R = T - P columns).
@@ -178,7 +180,7 @@ def token_logprobs(
     """
     B, T = input_ids.shape
     R = T - prompt_len
-    inner = getattr(model, "module", model)  # DDP keeps the model in .module
+    inner = hf_model(model)  # the transformers model inside DDP's .module and peft's wrapper
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                   use_cache=False)
     head = scoring_head(inner)

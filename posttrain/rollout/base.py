@@ -36,6 +36,8 @@ class RolloutEngine:
     """
 
     name: str = ""
+    colocated: bool = False
+    """True when the engine samples from the trainer's own module, so an update needs no weight sync."""
 
     @classmethod
     def check(cls) -> None:

@@ -1,9 +1,10 @@
 """The Hugging Face engine, colocated: it samples from the trainer's own policy module.
 
-Colocated means the engine's model is the policy the trainer updates (the same parameters, not a copy), so
-`load_weights` finds every tensor already in place and copies nothing; given another module's weights (a copy, a
-gathered shard) it copies them in. Each prompt is sampled `n` times (a GRPO group); every sample records its group,
-whether it ended with a stop token, and a response mask that ends after the first one.
+Colocated means the engine's model is the policy the trainer updates (the same parameters, with a LoRA adapter in
+place when there is one, not a copy), so an update needs no weight sync and the trainer skips it; `load_weights`,
+given another module's weights (a copy, a gathered shard), copies them in. Each prompt is sampled `n` times (a
+GRPO group); every sample records its group, whether it ended with a stop token, and a response mask that ends after
+the first one.
 
 Decoding is a plain loop over the model's forward with a KV cache, not `model.generate`: one prefill, then one token
 per step with logits only for the last position, stopping as soon as every row has ended. The cache is allocated
@@ -39,6 +40,8 @@ class HFEngine(RolloutEngine):
         pad_id: the padding token id.
         stop_ids: every token id that ends a completion.
     """
+
+    colocated = True
 
     def __init__(self, model, *, pad_id: int, stop_ids: list[int]):
         self.model, self.pad_id, self.stop_ids = model, pad_id, list(stop_ids)

@@ -1,4 +1,8 @@
-"""Checkpoints: the policy as an ordinary Hugging Face directory every `train.save_every` steps, and at the end."""
+"""Checkpoints: the policy as an ordinary Hugging Face directory every `train.save_every` steps, and at the end.
+
+Under LoRA the directory holds the adapter (loadable by transformers and peft, naming its base by path), and with
+`model.lora.merge` the base with the adapter merged in is also written to merged_model/.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ from pathlib import Path
 
 
 class Checkpoints:
-    """Saves `engine`'s policy under `root`: checkpoints/step_N every `every` steps (0: never), model/ at the end.
+    """Saves `engine`'s policy under `root`: checkpoints/step_N every `every` steps (0: never), model/ at the end
+    (and merged_model/ when a LoRA run asks for it).
 
     Every process calls it; the backend decides who writes (all processes take part when weights are sharded).
     """
@@ -20,6 +25,8 @@ class Checkpoints:
 
     def final(self, engine) -> Path:
         save_model(engine, self.root / "model")
+        if engine.cfg.model.lora.r and engine.cfg.model.lora.merge:
+            engine.backend.save(engine.policy, engine.tokenizer, self.root / "merged_model", merged=True)
         return self.root / "model"
 
 

@@ -24,6 +24,7 @@ from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
 from posttrain.data import RowSampler
+from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
 from posttrain.models.scoring import token_logprobs, token_values
@@ -58,23 +59,37 @@ class Engine:
         dtype, frozen = weights_dtype(t.precision, trained=True), weights_dtype(t.precision, trained=False)
         policy, self.tokenizer = load(model_path, dtype=dtype)
         lean_gated_mlps(policy)  # trained models keep two of each MLP's four activations for backward
+        adapters = cfg.model.lora
+        if adapters.r:
+            policy = lora.apply(policy, adapters, model_path)
         self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs)
-        self.ref = None
+        # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
+        self.ref, self.ref_is_base = None, False
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
-            self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
+            if adapters.r and cfg.model.ref_path is None:
+                self.ref_is_base = True
+            else:
+                self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen,
+                                               key="model.ref_path")[0])
         self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps)
+        self.parameters = lora.parameter_counts(policy)
         self.critic = None
         if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
             critic, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=self.tokenizer,
                              key="algorithm.critic_path" if a.critic_path else "model.path")
             lean_gated_mlps(critic)
+            if adapters.r:  # its own adapter and value head on its own copy of the base (docs/lora.md says why)
+                critic = lora.apply(critic, adapters, a.critic_path or model_path, kind="critic")
             self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay)
-        sampler = backend.generation_model(self.policy)
+        sampler = lora.hf_model(backend.generation_model(self.policy))  # adapters in place when adapted
         self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
             policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
             stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=t.precision,
             seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * self.plugin.samples_per_prompt(a),
                                                        cfg.eval.batch_size)))
+        # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
+        # else every weight, LoRA adapters merged in (cheaper than an adapter for vLLM to load from disk each step).
+        self.weight_sync = "none" if self.rollout.colocated else ("merged" if adapters.r else "full")
         source = SOURCES.find(self.plugin.source)
         self.tis_cap = cfg.rollout.tis_cap
         if source.on_policy and self.plugin.epochs(a) * self.plugin.minibatches(a) > 1:
@@ -87,17 +102,18 @@ class Engine:
                                                              float(cfg.rollout.max_new_tokens))
         unit = self.plugin.unit
         self.micro = max(unit, t.micro_batch_size // unit * unit)
-        ref = self.ref
         with backend.autocast():  # sources that sample a fixed set (RFT) do it here
             self.source = source.from_deps(Deps(
                 tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
                 sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
                 micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
                 samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
-                judge=self.judge, score_reference=(lambda b: self.score(ref, b.to(backend.device))) if ref else None,
+                judge=self.judge,
+                score_reference=(lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference else None,
                 model_path=self.model_path, cache_dir=cache_root(cfg)))
+        ref = self.ref
         if self.source.scores_reference:
-            self.ref = None  # the source holds the reference log-probs it needs: the model's memory is freed
+            self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
         self.roles, self.phases = RoleBytes(), PhasePeaks()
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         rm = getattr(self.judge.reward_model, "model", None)
@@ -132,6 +148,17 @@ class Engine:
         with self.backend.autocast():
                 return self._per_token(batch, lambda mb: token_logprobs(
                 model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature))  # [B, R]
+
+    @property
+    def has_reference(self) -> bool:
+        return self.ref is not None or self.ref_is_base
+
+    def reference_logp(self, batch: Batch) -> torch.Tensor:
+        """log π_ref of the response tokens: the reference model's, or the policy's with its adapter off."""
+        if self.ref is not None:
+            return self.score(self.ref, batch)
+        with lora.adapter_off(self.policy.module):
+            return self.score(self.policy.module, batch)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
@@ -229,8 +256,8 @@ class Engine:
             batch, stats = self.source.next()
             batch = batch.to(self.backend.device)
         with phases.phase("scoring"):
-            if self.ref is not None:
-                batch.ref_logp = self.score(self.ref, batch)
+            if self.has_reference:
+                batch.ref_logp = self.reference_logp(batch)
             if "old_logp" in self.needs:
                 batch.old_logp = self.score(self.policy.module, batch)
             if self.critic is not None:
@@ -248,7 +275,8 @@ class Engine:
                     updates.append(self.update(minibatch, self.totals(minibatch)))
         t0 = time.perf_counter()
         self.rollout.restore()
-        self.rollout.load_weights(self.backend.weights(self.policy))  # the next rollout samples from the new policy
+        if not self.rollout.colocated:  # an engine holding its own copy of the weights is given the new ones
+            self.rollout.load_weights(self.backend.weights(self.policy))
         stats.update({"time/score": phases.seconds["scoring"], "time/update": phases.seconds["update"],
                       "time/weight_sync": time.perf_counter() - t0})
         metrics = {**prep, **mean_metrics(updates)}

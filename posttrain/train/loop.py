@@ -53,6 +53,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     set_seed(cfg.seed)
     engine = Engine(cfg, model_path, backend, splits)
     summary["rollout_engine"] = engine.rollout.name  # the engine that really started
+    summary["weight_sync"] = engine.weight_sync  # none (colocated), full, or merged (LoRA)
+    summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
     out = run_dir.create() if main else run_dir.path
     if main:
         import yaml
