@@ -43,3 +43,6 @@ def main(model_dir: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    from posttrain.backends.ddp import exit_process
+
+    exit_process(0)  # as the CLI does: no teardown, where gloo's threads can abort a finished process

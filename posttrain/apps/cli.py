@@ -135,13 +135,18 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
-        return args.func(args)
+        code = args.func(args)
     except UserError as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if "torch" in sys.modules:  # one of several processes: leave without the interpreter's teardown
+        from posttrain.backends.ddp import exit_process
+
+        exit_process(code)
+    return code
 
 
 if __name__ == "__main__":
