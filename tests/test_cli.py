@@ -137,3 +137,42 @@ def test_malloc_arenas_are_capped_unless_the_user_set_a_limit(env, capped):
     arenas = sum(line.startswith("Arena ") for line in lines)
     assert lines[0] == str(capped)
     assert arenas == 2 if capped else arenas > 2  # 8 threads and the main one: uncapped, more than two heaps
+
+
+MAPPED = """
+import ctypes, sys
+import torch
+from posttrain.core.heap import large_allocations_mapped
+
+libc = ctypes.CDLL(None)
+
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+libc.mallinfo2.restype = Info
+torch.empty(31 << 20, dtype=torch.uint8)  # freed, it moves glibc's threshold up to 31 MiB, as a training run does
+def mapped_blocks(nbytes):
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    n = libc.mallinfo2().hblks
+    del t
+    return n
+base = mapped_blocks(1)
+with large_allocations_mapped(8 << 20):
+    inside = mapped_blocks(9 << 20) - base
+after = mapped_blocks(9 << 20) - base
+print(inside, after)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("env, inside", [({}, 1), ({"MALLOC_MMAP_THRESHOLD_": str(16 << 20)}, 0)])
+def test_update_maps_large_blocks_then_the_heap_takes_them_again(env, inside):
+    """Inside `large_allocations_mapped` a 9 MiB tensor is a mapped block of its own; after it, the heap serves it
+    again (glibc's threshold is back at its ceiling); a user's own threshold is left alone."""
+    proc = subprocess.run([sys.executable, "-c", MAPPED], capture_output=True, text=True, check=True,
+                          env={**os.environ, **env})
+    assert proc.stdout.split() == [str(inside), "0"], proc.stdout

@@ -22,6 +22,7 @@ from posttrain.backends import Backend
 from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
+from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
 from posttrain.data import RowSampler
 from posttrain.models import lora
@@ -269,7 +270,7 @@ class Engine:
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
         self.rollout.release()
-        with phases.phase("update"):
+        with phases.phase("update"), large_allocations_mapped():
             for _ in range(self.plugin.epochs(self.cfg.algorithm)):
                 for minibatch in self.minibatches(batch):
                     updates.append(self.update(minibatch, self.totals(minibatch)))
