@@ -208,6 +208,8 @@ def test_main_prints_and_returns_zero(capsys):
     (["model=qwen2.5-7b", "grad_ckpt=maybe"], "^grad_ckpt=maybe"),
     (["model=qwen2.5-7b", "method=rlhf"], "^method=rlhf"),
     (["model=qwen2.5-7b", "offload=optimizer"], "^offload=optimizer: needs zero"),
+    (["model=qwen2.5-7b", "rollout=sglang"], "^rollout=sglang: must be hf or vllm"),
+    (["model=qwen2.5-7b", "rollout=vllm", "gpu_memory_utilization=1.5"], "^gpu_memory_utilization=1.5: must be in"),
     (["gpus=8"], "^model: missing"),
     (["model=gpt-5"], "not a directory and not a preset .*qwen2.5-7b"),
 ])
@@ -260,3 +262,20 @@ def test_a_registered_method_appears_by_its_own_declarations(monkeypatch):
     assert "critic (weights+grads+moments+master)" in toy and "reference model" not in toy
     assert toy["rollout KV cache"].gpu_bytes == kv_cache_bytes(B7, 2 * 3, 30)
     assert "\nTOY\n" in render([estimate(B7, m) for m in algorithms.REGISTRY])
+
+
+def test_vllm_rollouts_take_their_share_of_the_card_instead_of_a_kv_cache():
+    """rollout=vllm: the engine reserves gpu_memory_utilization × gpu_mem while it samples and sleeps during the
+    update, so it replaces the KV cache row and counts against the activations, the larger of the two."""
+    hf = gpu(estimate(B7, "grpo", batch=4, group=16))
+    est = estimate(B7, "grpo", batch=4, group=16, rollout="vllm", gpu_memory_utilization=0.3, gpu_mem=80)
+    g = gpu(est)
+    assert "rollout KV cache" in hf and "rollout KV cache" not in g
+    assert g["vLLM engine (rollout)"] == 24 * 10**9
+    states = sum(v for k, v in g.items() if k not in ("vLLM engine (rollout)", "activations"))
+    assert est.gpu_total == states + max(g["vLLM engine (rollout)"], g["activations"])
+    assert "vLLM engine (rollout)" not in gpu(estimate(B7, "sft", rollout="vllm"))  # SFT samples nothing
+    on_48 = estimate(B7, "grpo", lora=64, rollout="vllm", gpu_memory_utilization=0.3, gpu_mem=48)
+    assert gpu(on_48)["vLLM engine (rollout)"] == round(0.3 * 48 * 10**9)
+    assert on_48.fits(48) == [n for n in (1, 2, 4, 8) if estimate(
+        B7, "grpo", lora=64, rollout="vllm", gpu_mem=48, gpus=n).gpu_total <= 48 * 10**9]

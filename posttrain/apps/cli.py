@@ -112,7 +112,8 @@ def parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="per-GPU memory of SFT, DPO, PPO and GRPO for a model and GPU count",
                          description="Estimate per-GPU memory: posttrain estimate model=DIR_OR_PRESET gpus=N zero=0|1|2|3 "
                          "[offload=none|optimizer|all] [lora=R] [batch=… G=… prompt_len=… response_len=…] "
-                         "[grad_ckpt=true|false] [dtype=bf16|fp16|fp32] [gpu_mem=80]. See docs/estimate.md.")
+                         "[grad_ckpt=true|false] [dtype=bf16|fp16|fp32] [rollout=hf|vllm gpu_memory_utilization=0.3] "
+                         "[gpu_mem=80]. See docs/estimate.md.")
     est.add_argument("settings", nargs="*", metavar="key=value")
     est.set_defaults(func=cmd_estimate)
     cmp = sub.add_parser("compare", help="run several recipes on one budget and compare memory, time and accuracy",

@@ -49,7 +49,8 @@ from posttrain.sources import SOURCES
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OFFLOAD = ("none", "optimizer", "all")
-TRANSIENT = ("rollout KV cache", "activations")  # live at different times: the total takes the larger
+TRANSIENT = ("rollout KV cache", "vLLM engine (rollout)", "activations")  # live at different times: the larger counts
+ROLLOUTS = ("hf", "vllm")
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,8 @@ class Estimate:
 
     def fits(self, gpu_mem: float, counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
         """The GPU counts whose per-GPU total is within gpu_mem decimal GB."""
-        return [n for n in counts
-                if estimate(self.spec, self.method, **{**self.settings, "gpus": n}).gpu_total <= gpu_mem * GB]
+        return [n for n in counts if estimate(self.spec, self.method, **{**self.settings, "gpus": n,
+                                                                         "gpu_mem": gpu_mem}).gpu_total <= gpu_mem * GB]
 
 
 def _num(n: int) -> str:
@@ -243,7 +244,8 @@ def _num(n: int) -> str:
 def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offload: str = "none", lora: int = 0,
              batch: int = 1, group: int = 8, prompt_len: int = 512, response_len: int = 1024, grad_ckpt: bool = True,
              dtype: str = "bf16", master_weights: bool = True, reward_model: bool | None = None,
-             beta: float = 0.04) -> Estimate:
+             beta: float = 0.04, rollout: str = "hf", gpu_memory_utilization: float = 0.3,
+             gpu_mem: float = 80.0) -> Estimate:
     """Per-GPU memory of `method` on `gpus` GPUs; the module docstring lists the roles and assumptions.
 
     Args:
@@ -257,13 +259,17 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         dtype: "bf16", "fp16" or "fp32" weights and gradients. master_weights: keep an fp32 copy in mixed precision.
         reward_model: a frozen policy-sized reward model (PPO, GRPO); None means true for PPO, false for GRPO.
         beta: KL coefficient; 0 drops the reference for PPO and GRPO (DPO always needs it).
+        rollout: "hf" (the trainer's model samples, with a KV cache) or "vllm" (a colocated vLLM engine, which takes
+            `gpu_memory_utilization` of the `gpu_mem` GB card for its weights and KV cache while it samples, and
+            sleeps, freeing both, during the update: `rollout.gpu_memory_utilization` of a run).
 
     Raises:
         UserError: a setting out of range, named.
     """
     settings = {"gpus": gpus, "zero": zero, "offload": offload, "lora": lora, "batch": batch, "group": group,
                 "prompt_len": prompt_len, "response_len": response_len, "grad_ckpt": grad_ckpt, "dtype": dtype,
-                "master_weights": master_weights, "reward_model": reward_model, "beta": beta}
+                "master_weights": master_weights, "reward_model": reward_model, "beta": beta, "rollout": rollout,
+                "gpu_memory_utilization": gpu_memory_utilization, "gpu_mem": gpu_mem}
     _validate(method=method, **settings)
     p, n = BYTES[dtype], spec.n_params
     trained = state_bytes(spec, dtype=dtype, lora=lora, master_weights=master_weights)
@@ -305,7 +311,11 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         rows.append(Row("reward model", g, c, f"frozen: {_num(n)} × {p} B{where}"))
     tokens = prompt_len + response_len
     seqs = batch * seqs_per_item
-    if online:
+    if online and rollout == "vllm":
+        share = round(gpu_memory_utilization * gpu_mem * GB)
+        rows.append(Row("vLLM engine (rollout)", share, 0, f"{gpu_memory_utilization:g} × {gpu_mem:g} GB "
+                        "(its weights and KV cache; asleep during the update)"))
+    elif online:
         kv_f = f"2 × {spec.layers} layers × {spec.kv_heads} kv × {spec.hd} × {p} B × {seqs} seq × {tokens} tok"
         rows.append(Row("rollout KV cache", kv_cache_bytes(spec, seqs, tokens, dtype), 0, kv_f))
     act, act_f = activation_bytes(spec, seqs * tokens, dtype, grad_ckpt)
@@ -345,6 +355,9 @@ def _validate(**kw) -> None:
         "lora": (kw["lora"] >= 0, ">= 0"), "batch": (kw["batch"] >= 1, ">= 1"), "G": (kw["group"] >= 1, ">= 1"),
         "prompt_len": (kw["prompt_len"] >= 0, ">= 0"), "response_len": (kw["response_len"] >= 0, ">= 0"),
         "dtype": (kw["dtype"] in BYTES, " or ".join(BYTES)), "beta": (kw["beta"] >= 0, ">= 0"),
+        "rollout": (kw["rollout"] in ROLLOUTS, " or ".join(ROLLOUTS)),
+        "gpu_memory_utilization": (0 < kw["gpu_memory_utilization"] < 1, "in (0, 1)"),
+        "gpu_mem": (kw["gpu_mem"] > 0, "> 0"),
     }
     for key, (ok, allowed) in checks.items():
         if not ok:
@@ -365,7 +378,7 @@ def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
         lines += ["", e.method.upper(), f"  {'role':<38}{'GPU GB':>9}{'CPU GB':>9}  formula"]
         lines += [f"  {r.role:<38}{r.gpu_bytes / GB:>9.2f}{r.cpu_bytes / GB:>9.2f}  {r.formula}" for r in e.rows]
         lines.append(f"  {'total per GPU':<38}{e.gpu_total / GB:>9.2f}{e.cpu_total / GB:>9.2f}  "
-                     "model states + max(KV cache, activations)")
+                     f"model states + max({'vLLM engine' if c['rollout'] == 'vllm' else 'KV cache'}, activations)")
         fit = e.fits(gpu_mem)
         fit_s, out = ", ".join(map(str, fit)), ", ".join(str(n) for n in (1, 2, 4, 8) if n not in fit)
         verdict = f"{fit_s} GPUs" + (f" (not {out})" if out else "") if fit else f"none of {out} GPUs"
@@ -378,7 +391,10 @@ def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
               (f"- per GPU: batch={c['batch']} (PPO/GRPO prompts, SFT rows, DPO pairs), G={c['group']} per GRPO "
                f"prompt, {c['prompt_len']}+{c['response_len']} tokens, gradient checkpointing "
                f"{'on' if c['grad_ckpt'] else 'off'}, fused attention."),
-              "- critic and reward model are policy-sized; the KV cache is freed before backward.",
+              ("- rollouts on a colocated vLLM engine holding "
+               f"{c['gpu_memory_utilization']:g} of the card while it samples, asleep during the update."
+               if c["rollout"] == "vllm" else "- rollouts on the trainer's model; the KV cache is freed before backward."),
+              "- critic and reward model are policy-sized.",
               "- not counted: CUDA context (~1 GB), fragmentation, communication buffers, ZeRO-3's gathered layer."]
     return "\n".join(lines)
 
@@ -395,7 +411,8 @@ KEYS = {
     "zero": (int, "zero"), "offload": (str, "offload"), "lora": (int, "lora"), "batch": (int, "batch"),
     "G": (int, "group"), "prompt_len": (int, "prompt_len"), "response_len": (int, "response_len"),
     "grad_ckpt": (_bool, "grad_ckpt"), "dtype": (str, "dtype"), "master_weights": (_bool, "master_weights"),
-    "reward_model": (_bool, "reward_model"), "beta": (float, "beta"),
+    "reward_model": (_bool, "reward_model"), "beta": (float, "beta"), "rollout": (str, "rollout"),
+    "gpu_memory_utilization": (float, "gpu_memory_utilization"),
 }
 
 
@@ -422,7 +439,7 @@ def main(argv: list[str]) -> int:
     spec = model_spec(values.pop("model"))
     methods = values.pop("method", ",".join(algorithms.REGISTRY)).lower().split(",")
     kwargs = {KEYS[k][1]: v for k, v in values.items()}
-    print(render([estimate(spec, m, **kwargs) for m in methods], gpu_mem))
+    print(render([estimate(spec, m, gpu_mem=gpu_mem, **kwargs) for m in methods], gpu_mem))
     return 0
 
 
