@@ -17,7 +17,8 @@ from posttrain.models.scoring import token_logprobs
 from posttrain.sources import run_splits
 from posttrain.train import Engine, run
 
-SMALL = ["train.precision=fp32", "train.batch_size=2", "algorithm.group_size=4", "data.train_size=50", "data.test_size=5"]
+SMALL = ["train.precision=fp32", "train.batch_size=2", "algorithm.group_size=4", "data.train_size=50",
+         "data.test_size=5"]
 
 
 def engine(model_dir, tmp_path, *extra, recipe="grpo_math"):

@@ -391,9 +391,9 @@ def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
               (f"- per GPU: batch={c['batch']} (PPO/GRPO prompts, SFT rows, DPO pairs), G={c['group']} per GRPO "
                f"prompt, {c['prompt_len']}+{c['response_len']} tokens, gradient checkpointing "
                f"{'on' if c['grad_ckpt'] else 'off'}, fused attention."),
-              ("- rollouts on a colocated vLLM engine holding "
-               f"{c['gpu_memory_utilization']:g} of the card while it samples, asleep during the update."
-               if c["rollout"] == "vllm" else "- rollouts on the trainer's model; the KV cache is freed before backward."),
+              (f"- rollouts on a colocated vLLM engine holding {c['gpu_memory_utilization']:g} of the card while it "
+               "samples, asleep during the update." if c["rollout"] == "vllm"
+               else "- rollouts on the trainer's model; the KV cache is freed before backward."),
               "- critic and reward model are policy-sized.",
               "- not counted: CUDA context (~1 GB), fragmentation, communication buffers, ZeRO-3's gathered layer."]
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """Data parallel through accelerate: one process by default, DDP when launched with several (torchrun).
 
-Every process holds the whole model, its gradients and its AdamW state (of the adapters alone under LoRA). DDP averages gradients over processes; the
-engine's losses are already divided by the token and sequence counts of the whole step across processes, so
-`backward` multiplies by the process count to turn that average back into the sum, and the update does not depend on
-how a batch is split over processes or micro-batches.
+Every process holds the whole model, its gradients and its AdamW state (of the adapters alone under LoRA). DDP
+averages gradients over processes; the engine's losses are already divided by the token and sequence counts of the
+whole step across processes, so `backward` multiplies by the process count to turn that average back into the sum,
+and the update does not depend on how a batch is split over processes or micro-batches.
 """
 
 from __future__ import annotations
