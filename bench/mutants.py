@@ -38,7 +38,8 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
          "posttrain/models/scoring.py": ["tests/test_scoring.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
          "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
-         "posttrain/train/engine.py": ["tests/test_grpo.py"]}
+         "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py"],
+         "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"]}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
 TRAIN = "posttrain/train/engine.py"
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
+GMLP, LORA = "posttrain/models/gated_mlp.py", "posttrain/models/lora.py"
 
 MUTANTS = [
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
@@ -373,6 +375,17 @@ MUTANTS = [
       "return gc, {"),
     m("mismatch-k1", TRAIN, "mismatch_sums", "k1 (can be negative) instead of k3", "k3 = (d.exp() - 1 - d) * mask",
       "k3 = -d * mask"),
+    # posttrain/models/gated_mlp.py: the two-activation backward; posttrain/models/lora.py and the engine: LoRA
+    m("gmlp-grad-u", GMLP, "_GatedMLP.backward", "up's gradient scaled by gate instead of act(gate)",
+      "grad_u = grad_h * a.detach()", "grad_u = grad_h * g"),
+    m("gmlp-grad-x-gate-only", GMLP, "_GatedMLP.backward", "x's gradient through gate only",
+      " + (grad_u @ w_up.to(dtype)).to(ctx.x_dtype)", ""),
+    m("gmlp-down-input", GMLP, "_GatedMLP.backward", "down's weight gradient from act(gate) instead of the product",
+      "_flat(a.detach() * u)", "_flat(a.detach())"),
+    m("lora-merge-no-delta", LORA, "merged_weights", "adapted weights synced without the adapter",
+      "param + layers[owner].get_delta_weight(adapter).to(param.dtype)", "param"),
+    m("lora-ref-adapter-on", TRAIN, "Engine.reference_logp", "reference scored with the adapter on",
+      "with lora.adapter_off(self.policy.module):", "if True:"),
     # posttrain/core/batch.py: trimming a micro-batch's padding columns
     m("trim-left-late", BATCH, "Batch.trimmed", "one real prompt column cut", "left = int(real[:P].float().argmax())",
       "left = int(real[:P].float().argmax()) + 1"),
