@@ -157,6 +157,10 @@ def test_cli_lora_run_writes_adapter_and_merged_model(tiny_model_dir, tmp_path):
     assert summary["parameters"]["trained"] < summary["parameters"]["total"]
     assert (out / "model" / "adapter_model.safetensors").is_file()
     assert (out / "merged_model" / "config.json").is_file() and (out / "merged_model" / "model.safetensors").is_file()
+    again = subprocess.run([sys.executable, "-m", "posttrain", "run", "recipe=grpo_math", f"model.path={out / 'model'}",
+                            f"output_dir={tmp_path / 'again'}", "train.steps=1", *SMALL], capture_output=True, text=True)
+    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
+    assert "holds a LoRA adapter, not a model" in again.stderr and "merged_model/" in again.stderr
 
 
 @pytest.mark.parametrize("key, fragment", [

@@ -26,6 +26,9 @@ def load_tokenizer(path: str | Path, key: str):
     from transformers import AutoTokenizer
 
     path = Path(path)
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        raise UserError(f"{key}: '{path}' holds a LoRA adapter, not a model; give its base model (named in its "
+                        "adapter_config.json) or a merged model (a run with model.lora.merge=true writes merged_model/)")
     if not (path / "config.json").is_file():
         raise UserError(f"{key}: '{path}' is not a Hugging Face model directory (no config.json)")
     try:
