@@ -149,7 +149,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
     rewards.combine(cfg.rewards)  # unknown reward names and bad weights fail here, with the rest of the config
     rollout.get(cfg.rollout.engine).check()  # an engine whose library is missing fails here, before any work
-    backends.get(cfg.train.backend)
+    backends.get(cfg.train.backend).check(cfg.train)  # unknown backend, unsupported offload, missing library
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"]}
     return cfg, resolved

@@ -157,6 +157,9 @@ class RolloutConfig:
             raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
 
 
+OFFLOADS = ("none", "optimizer", "params")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 100
@@ -180,13 +183,19 @@ class TrainConfig:
     save_every: int = 0
     """Write a checkpoint every N steps under output_dir/checkpoints; 0: only the final model."""
     backend: str = "ddp"
-    """How training is distributed (`posttrain.backends`): ddp (one process, or data parallel under torchrun)."""
+    """How training is distributed (`posttrain.backends`): ddp (every process holds the whole model; data parallel
+    under torchrun) or fsdp2 (each of N processes holds 1/N of every weight, gradient and AdamW state)."""
+    offload: str = "none"
+    """What lives in CPU memory between uses: none; optimizer (AdamW state, stepped on CPU: zero2, zero3); params
+    (weights, gradients and AdamW state: fsdp2, zero3). Each backend says which it supports."""
     precision: str = "fp32"
     """fp32; bf16-mixed: bf16 compute (autocast), fp32 weights, gradients and AdamW state; bf16: all of them in bf16.
     Log-softmax is float32 in every mode; models only scored (reference, reward model) are held in bf16 unless fp32."""
 
     def __post_init__(self):
         check_precision(self.precision)
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"offload: unknown {self.offload!r}; known: {', '.join(OFFLOADS)}")
         if self.loss_agg not in MODES:
             raise ConfigError(f"loss_agg: unknown mode {self.loss_agg!r}; known: {', '.join(MODES)}")
         for key in ("steps", "batch_size", "micro_batch_size"):

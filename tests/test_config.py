@@ -48,6 +48,10 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", ["rewards.foo=1"], "rewards.foo: unknown reward 'foo'"),
     ("grpo_math", ["rollout.engine=hff"], "rollout.engine: unknown rollout engine 'hff'; did you mean 'hf'?"),
     ("grpo_math", ["train.backend=zero9"], "train.backend: unknown backend 'zero9'"),
+    ("grpo_math", ["train.offload=gpu"], "train.offload: unknown 'gpu'; known: none, optimizer, params"),
+    ("grpo_math", ["train.offload=params"], "train.offload: ddp supports none, not 'params'"),
+    ("grpo_math", ["train.backend=fsdp2", "train.offload=optimizer"],
+     "train.offload: fsdp2 supports none or params, not 'optimizer'"),
 ])
 def test_bad_input_names_the_culprit(recipe, overrides, message):
     with pytest.raises(ConfigError) as err:

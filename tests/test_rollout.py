@@ -60,6 +60,25 @@ def test_load_weights_samples_from_the_new_weights(tiny_model_dir, tmp_path):
     assert engine.load_weights(engine.model.named_parameters()) == 0  # colocated: already in place
 
 
+def test_sharded_decoding_runs_until_every_process_has_stopped(tiny_model_dir):
+    """With sharded weights each forward is collective, so the loop stops only when `agree` says every process's
+    rows have stopped: here every token stops a row, yet another process (agree -> False) keeps it going to the
+    budget, feeding padding; the tokens already sampled are unchanged."""
+    model, tok = load(tiny_model_dir)
+    every = list(range(model.config.vocab_size))
+    prompts = [tok("Q: 3+4\nA: ")["input_ids"]]
+    alone = HFEngine(model, pad_id=tok.pad_token_id, stop_ids=every).generate(prompts, 2, max_new_tokens=5,
+                                                                               greedy=True)
+    votes = []
+    waiting = HFEngine(model, pad_id=tok.pad_token_id, stop_ids=every, agree=lambda f: votes.append(f) or False)
+    assert waiting.collective and not HFEngine(model, pad_id=0, stop_ids=every).collective
+    held = waiting.generate(prompts, 2, max_new_tokens=5, greedy=True)
+    assert alone.mask.shape[1] == 1 and held.mask.shape[1] == 5
+    assert votes == [True] * 4  # asked after each token but the last; this process was done from the first
+    assert held.mask[:, 1:].sum() == 0 and (held.response_ids[:, 1:] == tok.pad_token_id).all()
+    assert torch.equal(held.response_ids[:, :1], alone.response_ids)
+
+
 def test_registry():
     assert get("hf") is HFEngine and ENGINES["hf"].name == "hf"
 

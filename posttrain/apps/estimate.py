@@ -51,6 +51,8 @@ BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OFFLOAD = ("none", "optimizer", "all")
 TRANSIENT = ("rollout KV cache", "vLLM engine (rollout)", "activations")  # live at different times: the larger counts
 ROLLOUTS = ("hf", "vllm")
+# `train.backend` -> the ZeRO stage whose sharding it does: FSDP2 shards weights, gradients and AdamW state as ZeRO-3.
+BACKEND_STAGES = {"ddp": 0, "fsdp2": 3}
 
 
 @dataclass(frozen=True)
@@ -412,7 +414,7 @@ KEYS = {
     "G": (int, "group"), "prompt_len": (int, "prompt_len"), "response_len": (int, "response_len"),
     "grad_ckpt": (_bool, "grad_ckpt"), "dtype": (str, "dtype"), "master_weights": (_bool, "master_weights"),
     "reward_model": (_bool, "reward_model"), "beta": (float, "beta"), "rollout": (str, "rollout"),
-    "gpu_memory_utilization": (float, "gpu_memory_utilization"),
+    "gpu_memory_utilization": (float, "gpu_memory_utilization"), "backend": (str, None),
 }
 
 
@@ -436,6 +438,12 @@ def main(argv: list[str]) -> int:
     gpu_mem = values.pop("gpu_mem", 80.0)
     if gpu_mem <= 0:
         raise UserError(f"gpu_mem={gpu_mem}: must be positive (GB per GPU)")
+    if "backend" in values:  # a run's train.backend: the ZeRO stage it shards as
+        backend = values.pop("backend")
+        if backend not in BACKEND_STAGES:
+            raise UserError(f"backend={backend}: must be {' or '.join(BACKEND_STAGES)}")
+        if values.setdefault("zero", BACKEND_STAGES[backend]) != BACKEND_STAGES[backend]:
+            raise UserError(f"zero={values['zero']}: backend={backend} shards as zero={BACKEND_STAGES[backend]}")
     spec = model_spec(values.pop("model"))
     methods = values.pop("method", ",".join(algorithms.REGISTRY)).lower().split(",")
     kwargs = {KEYS[k][1]: v for k, v in values.items()}

@@ -27,15 +27,30 @@ class Backend:
 
     Args:
         precision: `train.precision`: fp32, bf16-mixed (bf16 compute, fp32 weights and optimizer state) or bf16.
+        offload: `train.offload`: none, optimizer or params (what stays in CPU memory between uses).
     """
 
     name: str = ""
     device: torch.device
     rank: int
     world_size: int
+    sharded: bool = False
+    """True when each process holds only a shard of the weights, so every forward is collective: all processes
+    must run the same number of forward passes (`agree` ends a decode loop on all of them at once)."""
 
-    def __init__(self, precision: str = "fp32"):
-        self.precision = precision
+    offloads: tuple[str, ...] = ("none",)
+    """The `train.offload` values this backend supports."""
+
+    def __init__(self, precision: str = "fp32", offload: str = "none"):
+        self.precision, self.offload = precision, offload
+
+    @classmethod
+    def check(cls, train) -> None:
+        """Raises ConfigError when this backend cannot run the `train.*` settings, or cannot run here; cheap."""
+        if train.offload not in cls.offloads:
+            from posttrain.core.errors import ConfigError
+
+            raise ConfigError(f"train.offload: {cls.name} supports {' or '.join(cls.offloads)}, not {train.offload!r}")
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for forward passes: bf16 compute under bf16-mixed; nothing to do otherwise (the weights' dtype
@@ -79,11 +94,17 @@ class Backend:
         raise NotImplementedError
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """`op` ("sum", "mean" or "max") of `tensor` over every process."""
+        """`op` ("sum", "mean", "max" or "min") of `tensor` over every process."""
         raise NotImplementedError
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    def agree(self, flag: bool) -> bool:
+        """True when `flag` is true on every process (a collective call on every process when sharded)."""
+        if not self.sharded or self.world_size == 1:
+            return flag
+        return bool(self.reduce(torch.tensor(float(flag), device=self.device), "min"))
 
     def generation_model(self, trained: Trained) -> torch.nn.Module:
         """The plain model whose parameters are the trained ones, for sampling."""
@@ -98,6 +119,15 @@ class Backend:
         """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
         writes its adapter, or with `merged` the base with the adapter merged in."""
         raise NotImplementedError
+
+
+def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
+          warmup_steps: int | None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over `params` and its schedule: a linear warm-up over `warmup_steps`, then constant (None: no schedule)."""
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    if warmup_steps is None:
+        return optimizer, None
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
 
 
 BACKENDS = Registry("backend", "train.backend")  # name -> Backend subclass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.backends.base import Backend, Trained, register
+from posttrain.backends.base import Backend, Trained, adamw, register
 from posttrain.models import lora
 
 
@@ -44,10 +44,10 @@ def exit_process(code: int) -> None:
 
 @register("ddp")
 class DDP(Backend):
-    def __init__(self, precision: str = "fp32"):
+    def __init__(self, precision: str = "fp32", offload: str = "none"):
         from accelerate import Accelerator
 
-        super().__init__(precision)
+        super().__init__(precision, offload)
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.device, self.rank, self.world_size = self.acc.device, self.acc.process_index, self.acc.num_processes
         if self.world_size > 1:
@@ -59,10 +59,9 @@ class DDP(Backend):
             model = model.to(torch.bfloat16)
         model = self.place(model)
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a value head) only
-        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=True)
-        if warmup_steps is None:
+        optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        if scheduler is None:
             return Trained(*self.acc.prepare(model, optimizer))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
         return Trained(*self.acc.prepare(model, optimizer, scheduler))
 
     def freeze(self, model):
@@ -89,10 +88,10 @@ class DDP(Backend):
         return norm
 
     def reduce(self, tensor, op):
-        if op == "max":  # accelerate reduces by sum or mean only
+        if op in ("max", "min"):  # accelerate reduces by sum or mean only
             if self.world_size > 1:
                 tensor = tensor.clone()
-                torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+                torch.distributed.all_reduce(tensor, op=getattr(torch.distributed.ReduceOp, op.upper()))
             return tensor
         return self.acc.reduce(tensor, op)
 

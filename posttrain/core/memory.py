@@ -19,11 +19,13 @@ import torch
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors`."""
+    """Bytes of the distinct storages behind `tensors`; of a sharded tensor, this process's shard."""
     seen, total = set(), 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2)
+            t = t.to_local()
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

@@ -80,10 +80,17 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return {"trained": sum(p.numel() for p in params if p.requires_grad), "total": sum(p.numel() for p in params)}
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @torch.no_grad()
-def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model: torch.nn.Module, full=_whole) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the adapted model as the plain model names it, the adapter merged in:
-    W + (α/r) B A for adapted layers (a new tensor, one at a time), the base tensor itself elsewhere."""
+    W + (α/r) B A for adapted layers (a new tensor, one at a time), the base tensor itself elsewhere.
+
+    `full` turns a parameter into its whole tensor: a sharded backend gathers it; by default it is the parameter.
+    """
     from peft.tuners.lora import LoraLayer
 
     peft = peft_model(model)
@@ -95,11 +102,20 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             continue  # A and B themselves: merged into their layer's weight
         owner, sep, rest = name.partition(".base_layer.")
         if not sep:
-            yield name, param
+            yield name, full(param)
         elif rest == "weight" and adapter in layers[owner].lora_A:
-            yield f"{owner}.weight", param + layers[owner].get_delta_weight(adapter).to(param.dtype)
+            weight = full(param)
+            yield f"{owner}.weight", weight + _delta(layers[owner], adapter, full).to(weight.dtype)
         else:
-            yield f"{owner}.{rest}", param
+            yield f"{owner}.{rest}", full(param)
+
+
+def _delta(layer, adapter: str, full) -> torch.Tensor:
+    """(α/r) B A of one adapted linear layer in float32, transposed where the layer stores W as [in, out] (GPT-2's
+    Conv1D), as peft's merge computes it."""
+    a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)  # [r, in], [out, r]
+    delta = (b.float() @ a.float()) * layer.scaling[adapter]  # [out, in]
+    return delta.T if layer.fan_in_fan_out else delta
 
 
 def save_adapter(model: torch.nn.Module, path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ class Setup:
     precision: str  # train.precision
     seed: int
     max_seqs: int  # the most sequences one call samples (a step's prompts × samples per prompt)
+    agree: Callable[[bool], bool] | None = None  # sharded weights: True when a flag is true on every process
 
 
 class RolloutEngine:
@@ -38,6 +39,8 @@ class RolloutEngine:
     name: str = ""
     colocated: bool = False
     """True when the engine samples from the trainer's own module, so an update needs no weight sync."""
+    collective: bool = False
+    """True when sampling runs sharded weights, so every process must make the same `generate` calls."""
 
     @classmethod
     def check(cls) -> None:

@@ -43,12 +43,17 @@ class HFEngine(RolloutEngine):
 
     colocated = True
 
-    def __init__(self, model, *, pad_id: int, stop_ids: list[int]):
-        self.model, self.pad_id, self.stop_ids = model, pad_id, list(stop_ids)
+    def __init__(self, model, *, pad_id: int, stop_ids: list[int], agree=None):
+        self.model, self.pad_id, self.stop_ids, self.agree = model, pad_id, list(stop_ids), agree
+
+    @property
+    def collective(self) -> bool:
+        """True when the model's weights are sharded, so every process must make the same calls."""
+        return self.agree is not None
 
     @classmethod
     def start(cls, setup: Setup) -> HFEngine:
-        return cls(setup.policy, pad_id=setup.pad_id, stop_ids=setup.stop_ids)
+        return cls(setup.policy, pad_id=setup.pad_id, stop_ids=setup.stop_ids, agree=setup.agree)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
@@ -61,7 +66,8 @@ class HFEngine(RolloutEngine):
         model.eval()
         try:
             response, logp = decode(model, input_ids, attention_mask, max_new_tokens, stop_ids=self.stop_ids,
-                                    pad_id=pad, temperature=temperature, top_p=top_p, greedy=greedy)  # [B, R] x2
+                                    pad_id=pad, temperature=temperature, top_p=top_p, greedy=greedy,
+                                    agree=self.agree)  # [B, R] x2
         finally:
             model.train(was_training)
         R = response.shape[1]
@@ -159,11 +165,12 @@ def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float =
 
 
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
-           stop_ids: list[int], pad_id: int, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+           stop_ids: list[int], pad_id: int, agree=None, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Continues each left-padded prompt by up to `max_new_tokens` tokens: [B, P] -> [B, R], R ≤ max_new_tokens,
     with the tokens' log-probabilities as `next_token` gives them ([B, R] float32).
 
-    After a row emits a stop token it is fed `pad_id`; decoding ends when every row has stopped.
+    After a row emits a stop token it is fed `pad_id`; decoding ends when every row has stopped, or with sharded
+    weights (`agree` given) when every row of every process has: each forward gathers weights from all of them.
     """
     B, P = input_ids.shape
     keys = _forward_keys(model.forward)
@@ -182,7 +189,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         tokens.append(token.masked_fill_(done, pad_id))
         logps.append(logp.masked_fill_(done, 0.0))
         done |= torch.isin(token, stops)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if t == max_new_tokens - 1 or (agree(bool(done.all())) if agree else bool(done.all())):
             break
         position = position + 1
         out = model(input_ids=token[:, None], attention_mask=mask[:, : P + t + 1], position_ids=position,

@@ -87,7 +87,8 @@ class Engine:
             policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
             stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=t.precision,
             seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * self.plugin.samples_per_prompt(a),
-                                                       cfg.eval.batch_size)))
+                                                       cfg.eval.batch_size),
+            agree=backend.agree if backend.sharded else None))
         # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
         # else every weight, LoRA adapters merged in (cheaper than an adapter for vLLM to load from disk each step).
         self.weight_sync = "none" if self.rollout.colocated else ("merged" if adapters.r else "full")

@@ -18,12 +18,16 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
     """
     rank, world = (backend.rank, backend.world_size) if backend else (0, 1)
     shard = rows[rank::world]
+    # Sharded weights: every process makes as many calls as the largest shard needs, an empty one on a dummy row.
+    calls = -(-len(rows[::world]) // batch_size) if rollout.collective else -(-len(shard) // batch_size)
     correct = tokens = 0.0
     examples = []
-    for start in range(0, len(shard), batch_size):
+    for start in range(0, calls * batch_size, batch_size):
         chunk = shard[start : start + batch_size]
-        batch = rollout.generate(prompt_ids(tokenizer, chunk, data_cfg), 1, max_new_tokens=max_new_tokens,
-                                 greedy=True)
+        batch = rollout.generate(prompt_ids(tokenizer, chunk or rows[:1], data_cfg), 1,
+                                 max_new_tokens=max_new_tokens, greedy=True)
+        if not chunk:
+            continue
         texts = completion_texts(tokenizer, batch)
         correct += sum(judge.correct(chunk, texts))
         tokens += float(batch.mask.sum())

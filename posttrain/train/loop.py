@@ -46,9 +46,10 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
-    backend = backends.get(cfg.train.backend)(precision=cfg.train.precision)
+    backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
     main = backend.is_main
-    summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size}
+    summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size,
+               "backend": backend.name}
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
     engine = Engine(cfg, model_path, backend, splits)

@@ -1,0 +1,115 @@
+"""Two processes for real (torchrun over gloo on CPU), for each backend: each test first asserts that the world size
+is 2 and that the backend asked for is the one that ran."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+
+
+def torchrun(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# Per-rank bytes of each role on 2 ranks, as a fraction of one process's: what each backend shards.
+SHARE = {"ddp": {"weights": 1, "gradients": 1, "optimizer_state": 1},
+         "fsdp2": {"weights": 0.5, "gradients": 0.5, "optimizer_state": 0.5}}
+
+
+LORA = ["model.lora.r=4", "model.lora.target_modules=q_proj,v_proj,down_proj"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tmp_path_factory):
+    """The reference: the same update in one plain process (DDP backend, world size 1), in full and under LoRA."""
+    runs = {}
+    for name, extra in (("full", []), ("lora", LORA)):
+        out = tmp_path_factory.mktemp("one") / f"{name}.pt"
+        single = subprocess.run([sys.executable, HERE / "update_step.py", tiny_model_dir, out, "ddp", *extra],
+                                capture_output=True, text=True, timeout=300)
+        assert single.returncode == 0, single.stderr[-3000:]
+        runs[name] = torch.load(out)
+    return runs
+
+
+@pytest.mark.parametrize("backend,offload", [*((b, "none") for b in SHARE), ("fsdp2", "params")],
+                         ids=[*SHARE, "fsdp2-offload"])
+@pytest.mark.parametrize("adapted", [False, True], ids=["full", "lora"])
+def test_two_rank_update_equals_one_process_on_the_same_global_batch(backend, offload, adapted, one_process,
+                                                                    tiny_model_dir, tmp_path):
+    """Rows split over 2 ranks (2 micro-batches each) give the loss, gradient and step of one process holding all
+    8 rows: the loss is normalised by the whole step's counts, and the backend's averaging undone. Each rank holds
+    the bytes its backend shards to, and the saved model (or adapter) loads with the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    two = torchrun(HERE / "update_step.py", tiny_model_dir, tmp_path / "two.pt", backend, f"train.offload={offload}",
+                   *(LORA if adapted else []))
+    assert two.returncode == 0, two.stderr[-3000:]
+    one, both = one_process["lora" if adapted else "full"], torch.load(tmp_path / "two.pt")
+    assert one["world_size"] == 1 and both["world_size"] == 2
+    assert both["backend"] == {"ddp": "DDP", "fsdp2": "FSDP2"}[backend]  # the backend really in use
+    assert both["offload"] == offload
+    assert both["head"] == one["head"] == "ScoringHead"  # the chunked head ran inside the wrapped model's forward
+    assert one["max"] == 0 and both["max"] == 1  # reduce(..., "max") across ranks (the mismatch's largest gap)
+    assert both["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert sum(g.abs().sum() for g in one["grads"].values()) > 0
+    assert (len(one["grads"]) < len(one["weights"])) == adapted  # under LoRA only the adapters have gradients
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(both["grads"][name], grad, atol=1e-6, rtol=1e-5)
+        # AdamW's first step is lr·g/(|g| + ε): where |g| is near fp32 noise, equal-within-tolerance gradients can
+        # still step differently, so the weights are compared where the gradient is well above that noise.
+        clear = grad.abs() > 1e-5
+        torch.testing.assert_close(both["weights"][name][clear], one["weights"][name][clear], atol=1e-6, rtol=1e-5)
+    for role, share in SHARE[backend].items():
+        assert both["roles"][role] == pytest.approx(one["roles"][role] * share, rel=0.02), role
+    if not adapted:  # `posttrain estimate backend=… gpus=2` predicts each rank's bytes within 10%
+        from posttrain.apps.estimate import BACKEND_STAGES, estimate, model_spec
+
+        rows = {r.role: r.gpu_bytes for r in estimate(model_spec(str(tiny_model_dir)), "sft", gpus=2, dtype="fp32",
+                                                      zero=BACKEND_STAGES[backend]).rows}
+        predicted = {"weights": rows["policy parameters"], "gradients": rows["policy gradients"],
+                     "optimizer_state": rows["policy AdamW moments"] + rows["policy fp32 master weights"]}
+        for role, nbytes in predicted.items():
+            assert both["roles"][role] == pytest.approx(nbytes, rel=0.10), role
+    saved = AutoModelForCausalLM.from_pretrained(tiny_model_dir if adapted else both["saved"])
+    if adapted:
+        from peft import PeftModel
+
+        saved = PeftModel.from_pretrained(saved, both["saved"])
+    assert type(saved.get_base_model() if adapted else saved).__name__ == "LlamaForCausalLM"
+    for name, param in saved.named_parameters():
+        torch.testing.assert_close(param.data, both["weights"][name], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", list(SHARE))
+@pytest.mark.parametrize("extra", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path, extra, backend):
+    """The README's multi-process command: `torchrun --nproc_per_node 2 -m posttrain run …` exits 0 on both ranks,
+    training every weight or a LoRA adapter (whose reference is the base with the adapter off on each rank)."""
+    out = tmp_path / "ddp"
+    proc = torchrun("-m", "posttrain", "run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}",
+                    "train.steps=2", "train.batch_size=2", "algorithm.group_size=2", "train.micro_batch_size=3",
+                    "rollout.max_new_tokens=6", "eval.num_problems=5", "eval.batch_size=2", "data.train_size=100",
+                    "data.test_size=20",
+                    f"train.backend={backend}", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == backend
+    # rank 0's trained weights (fp32): every one under DDP, half of each under FSDP2
+    held = summary["memory"]["roles_bytes"]["policy_weights"] / (4 * summary["parameters"]["total"])
+    assert held == pytest.approx(SHARE[backend]["weights"], rel=0.02)
+    if extra:
+        assert (out / "model" / "adapter_config.json").is_file()
+        assert summary["parameters"]["trained"] < summary["parameters"]["total"]
+    # rank 0 scored 3 problems in 2 calls, rank 1 scored 2 in 1 (plus, sharded, a dummy call); the counts summed
+    assert summary["eval_before"]["num_problems"] == 5
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert proc.stdout.count("held-out accuracy") == 1  # printed by rank 0 only

@@ -1,0 +1,60 @@
+"""One SFT update of a fixed global batch of 8 rows, each process taking every world-th row; run by
+tests/test_distributed.py in one process and under `torchrun --nproc_per_node 2`, for each backend. Rank 0 saves the
+world size, the loss, the whole gradient (summed over processes, before the optimizer step), the whole weights after
+the step, the bytes this process holds by role, and where it saved the model.
+
+    python tests/update_step.py MODEL_DIR OUT.pt [BACKEND] [KEY=VALUE ...]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from posttrain import backends, config
+from posttrain.backends.fsdp import full
+from posttrain.core.aggregation import Totals
+from posttrain.core.batch import collate
+from posttrain.core.memory import optimizer_bytes, tensor_bytes
+from posttrain.data import prompt_ids, response_ids
+from posttrain.sources import run_splits
+from posttrain.train import Engine
+
+
+def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -> None:
+    cfg, _ = config.load("sft_math", [f"model.path={model_dir}", "train.micro_batch_size=3", "train.lr=1e-2",
+                                      "data.train_size=50", "data.test_size=5", "train.precision=fp32",
+                                      f"train.backend={backend_name}", *overrides])
+    backend = backends.get(backend_name)(precision=cfg.train.precision, offload=cfg.train.offload)
+    torch.manual_seed(0)
+    engine = Engine(cfg, model_dir, backend, run_splits(cfg))
+    rows = engine.train_rows[:8]  # responses of different lengths, so per-sequence and per-token totals differ
+    batch = collate(prompt_ids(engine.tokenizer, rows, cfg.data), response_ids(engine.tokenizer, rows, cfg.data),
+                    engine.tokenizer.pad_token_id)
+    local = batch.select(slice(backend.rank, None, backend.world_size)).to(backend.device)
+    totals = engine.totals(local)
+    assert totals == Totals.of(batch.mask), (totals, Totals.of(batch.mask))  # the whole step's denominators
+    loss = backend.reduce(engine.accumulate(local, totals)["loss"], "sum")
+    model = backend.generation_model(engine.policy)
+    params = dict(model.named_parameters())
+    grads = {n: full(p.grad).detach().clone() for n, p in params.items() if p.grad is not None}
+    roles = {"weights": tensor_bytes(params.values()), "gradients": tensor_bytes(p.grad for p in params.values())}
+    backend.step(engine.policy, cfg.train.max_grad_norm)
+    roles["optimizer_state"] = optimizer_bytes(engine.policy.optimizer)
+    weights = {n: full(p).detach().clone() for n, p in params.items()}
+    top = float(backend.reduce(torch.tensor(float(backend.rank), device=backend.device), "max"))  # the highest rank
+    saved = Path(out).with_suffix(".model")
+    backend.save(engine.policy, engine.tokenizer, saved)
+    if backend.is_main:
+        torch.save({"world_size": backend.world_size, "backend": type(backend).__name__, "offload": backend.offload,
+                    "loss": float(loss),
+                    "grads": grads, "weights": weights, "roles": roles, "head": type(model.lm_head).__name__,
+                    "max": top, "saved": str(saved), "dtype": str(next(iter(weights.values())).dtype)}, out)
+    backend.barrier()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+    from posttrain.backends.ddp import exit_process
+
+    exit_process(0)  # as the CLI does: no teardown, where gloo's threads can abort a finished process
