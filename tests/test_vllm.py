@@ -190,14 +190,19 @@ def test_grpo_on_vllm_lifts_accuracy_and_logs_the_mismatch(tmp_path):
 
 
 @needs_vllm
-def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path, backend):
+    """Under fsdp2 (one process, a group of one) every weight and adapter is a sharded tensor, gathered one at a
+    time for the sync: a wrong merge would show as a train-inference mismatch after the first update."""
     out = tmp_path / "lora"
     proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", f"model.path={model_dir}", f"output_dir={out}",
                    "model.lora.r=4", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
-                   "eval.num_problems=4", "rollout.max_new_tokens=8", "data.train_size=20", "data.test_size=4")
+                   "eval.num_problems=4", "rollout.max_new_tokens=8", "data.train_size=20", "data.test_size=4",
+                   f"train.backend={backend}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and summary["weight_sync"] == "merged"
+    assert summary["backend"] == backend
     assert "reference_weights" not in summary["memory"]["roles_bytes"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["time/weight_sync"] > 0 and m["mismatch/kl"] < 0.01 for m in metrics)
