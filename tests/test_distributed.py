@@ -113,3 +113,22 @@ def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path, extra, backend):
     assert summary["eval_before"]["num_problems"] == 5
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert proc.stdout.count("held-out accuracy") == 1  # printed by rank 0 only
+
+
+@pytest.mark.parametrize("launch", [[], ["--num_machines", "1", "--num_processes", "2", "--main_process_ip",
+                                         "127.0.0.1", "--main_process_port", "0"]], ids=["one_node", "multi_node"])
+def test_shipped_accelerate_configs_start_two_ranks(tiny_model_dir, tmp_path, launch):
+    """`accelerate launch --config_file examples/accelerate/…` starts the processes (the multi-node file with its
+    machine count and address overridden to this machine), and the run's train.backend shards over them."""
+    name = "multi_node" if launch else "one_node"
+    out = tmp_path / name
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         HERE.parent / "examples" / "accelerate" / f"{name}.yaml", *launch, "-m", "posttrain", "run", "recipe=sft_math",
+         f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=1", "train.batch_size=2",
+         "eval.num_problems=0", "data.train_size=20", "data.test_size=4", "train.backend=fsdp2"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "fsdp2"
