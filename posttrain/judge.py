@@ -54,11 +54,13 @@ class Judge:
         return [c == 1.0 for c in accuracy(completions, self.answers(rows))]
 
 
-def build(cfg: RunConfig, device, *, with_reward_model: bool) -> Judge:
-    """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards."""
+def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None) -> Judge:
+    """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, and
+    placed by `place` (the backend's, which shards it where weights are sharded) when given."""
     model = None
     if with_reward_model and cfg.reward_model.path:
         from posttrain.rewards.model import RewardModel
 
-        model = RewardModel(cfg.reward_model.path, device, dtype=weights_dtype(cfg.train.precision, trained=False))
+        model = RewardModel(cfg.reward_model.path, device, dtype=weights_dtype(cfg.train.precision, trained=False),
+                            place=place)
     return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight)

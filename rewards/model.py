@@ -13,10 +13,12 @@ class RewardModel:
     """Scores texts with an `AutoModelForSequenceClassification` (one label) and its own tokenizer."""
 
     def __init__(self, path: str | Path, device: torch.device | str = "cpu", batch_size: int = 32,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", place=None):
         self.model, self.tokenizer = load(path, "reward_model", dtype=dtype, key="reward_model.path")
         self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores the last non-pad token
         self.model.eval().requires_grad_(False).to(device)
+        if place is not None:  # a training backend's placement of frozen models (sharded under fsdp2 and zero3)
+            self.model = place(self.model)
         self.device, self.batch_size = device, batch_size
 
     @torch.no_grad()

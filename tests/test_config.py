@@ -72,3 +72,15 @@ def test_precision_values_and_the_moved_dtype_key():
         config.load("grpo_math", ["train.precision=fp16"])
     with pytest.raises(ConfigError, match=r"^model.dtype: replaced by train.precision"):
         config.load("grpo_math", ["model.dtype=bfloat16"])
+
+
+def test_a_deepspeed_backend_without_deepspeed_is_refused_when_the_config_loads(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find(name, *a))
+    with pytest.raises(ConfigError, match=r"^train.backend: zero3 needs DeepSpeed: pip install 'posttrain\[deepspeed\]'"):
+        config.load("grpo_math", ["train.backend=zero3"])
+    with pytest.raises(ConfigError, match=r"^train.precision: zero2 keeps fp32 master weights"):
+        monkeypatch.undo()
+        config.load("grpo_math", ["train.backend=zero2", "train.precision=bf16"])

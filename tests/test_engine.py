@@ -36,7 +36,7 @@ def test_gradient_invariant_to_micro_batches(tiny_model_dir, tmp_path, mode):
     batch.ref_logp = engine.score(engine.ref, batch) + 0.1 * torch.randn(batch.mask.shape)
     batch, _ = engine.plugin.prepare(batch, cfg.algorithm)
     backward, calls = engine.backend.backward, []
-    engine.backend.backward = lambda loss: (calls.append(1), backward(loss))
+    engine.backend.backward = lambda loss, trained: (calls.append(1), backward(loss, trained))
     grads, passes = [], []
     for micro in (8, 3):
         engine.micro = micro

@@ -71,7 +71,7 @@ def test_keeps_two_of_four_intermediate_activations():
     assert saved_bytes(plain, ids) - saved_bytes(lean, ids) == 2 * tokens * inter * 4 * layers
 
 
-def test_own_forward_without_gradients_or_with_replaced_layers():
+def test_own_forward_without_gradients_or_with_replaced_or_zero3_layers():
     model = tiny("llama")
     lean_gated_mlps(model)
     mlp = model.model.layers[0].mlp
@@ -97,6 +97,13 @@ def test_own_forward_without_gradients_or_with_replaced_layers():
         mlp.up_proj = adapted
         mlp(x).sum().backward()
         assert len(calls) == 2
+
+        mlp.up_proj = torch.nn.Linear(SHAPE["hidden_size"], SHAPE["intermediate_size"], bias=False)
+        mlp(x).sum().backward()
+        assert len(calls) == 2  # plain full layers again: the lean forward
+        mlp.down_proj.weight.ds_id = 7  # a ZeRO-3 weight, whole here only if prefetched, and never in backward
+        mlp(x).sum().backward()
+        assert len(calls) == 3
     finally:
         type(mlp).plain_forward = original
 

@@ -12,13 +12,24 @@ from pathlib import Path
 import torch
 
 from posttrain import backends, config
-from posttrain.backends.fsdp import full
 from posttrain.core.aggregation import Totals
 from posttrain.core.batch import collate
-from posttrain.core.memory import optimizer_bytes, tensor_bytes
 from posttrain.data import prompt_ids, response_ids
 from posttrain.sources import run_splits
 from posttrain.train import Engine
+
+
+def whole_grad(backend, param):
+    """The whole gradient of a weight, summed over processes, before the step; None where it cannot be read here.
+    ZeRO-2 reduces gradients only inside its step, and ZeRO-3 with its optimizer offloaded keeps them where
+    DeepSpeed's reader does not look, so there the step's global norm is all there is to compare."""
+    if backend.name == "zero2" or (backend.name == "zero3" and backend.offload != "none"):
+        return None
+    if backend.name == "zero3":
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(param)  # a collective call
+    return None if param.grad is None else backend.whole(param.grad)
 
 
 def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -> None:
@@ -37,17 +48,18 @@ def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -
     loss = backend.reduce(engine.accumulate(local, totals)["loss"], "sum")
     model = backend.generation_model(engine.policy)
     params = dict(model.named_parameters())
-    grads = {n: full(p.grad).detach().clone() for n, p in params.items() if p.grad is not None}
-    roles = {"weights": tensor_bytes(params.values()), "gradients": tensor_bytes(p.grad for p in params.values())}
-    backend.step(engine.policy, cfg.train.max_grad_norm)
-    roles["optimizer_state"] = optimizer_bytes(engine.policy.optimizer)
-    weights = {n: full(p).detach().clone() for n, p in params.items()}
+    grads = {n: g.detach().clone() for n, g in ((n, whole_grad(backend, p)) for n, p in params.items())
+             if g is not None}
+    roles = {"weights": backend.weight_bytes(model), "gradients": backend.gradient_bytes(engine.policy)}
+    norm = backend.step(engine.policy, cfg.train.max_grad_norm)
+    roles["optimizer_state"] = backend.optimizer_bytes(engine.policy)
+    weights = {n: backend.whole(p).detach().clone() for n, p in params.items()}
     top = float(backend.reduce(torch.tensor(float(backend.rank), device=backend.device), "max"))  # the highest rank
     saved = Path(out).with_suffix(".model")
     backend.save(engine.policy, engine.tokenizer, saved)
     if backend.is_main:
         torch.save({"world_size": backend.world_size, "backend": type(backend).__name__, "offload": backend.offload,
-                    "loss": float(loss),
+                    "loss": float(loss), "norm": float(norm),
                     "grads": grads, "weights": weights, "roles": roles, "head": type(model.lm_head).__name__,
                     "max": top, "saved": str(saved), "dtype": str(next(iter(weights.values())).dtype)}, out)
     backend.barrier()

@@ -52,7 +52,8 @@ OFFLOAD = ("none", "optimizer", "all")
 TRANSIENT = ("rollout KV cache", "vLLM engine (rollout)", "activations")  # live at different times: the larger counts
 ROLLOUTS = ("hf", "vllm")
 # `train.backend` -> the ZeRO stage whose sharding it does: FSDP2 shards weights, gradients and AdamW state as ZeRO-3.
-BACKEND_STAGES = {"ddp": 0, "fsdp2": 3}
+BACKEND_STAGES = {"ddp": 0, "fsdp2": 3, "zero2": 2, "zero3": 3}
+DEEPSPEED = ("zero2", "zero3")  # keep an fp32 master copy in the optimizer even of fp32 weights
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,10 @@ class StateBytes:
 
 
 def state_bytes(spec: ModelSpec, *, dtype: str = "bf16", lora: int = 0, master_weights: bool = True,
-                trained: bool = True) -> StateBytes:
+                trained: bool = True, fp32_master: bool = False) -> StateBytes:
     """Weights, gradients and AdamW state of one model, unsharded; `trained=False` is a frozen model (weights only).
 
+    `fp32_master`: a master copy even of fp32 weights, as DeepSpeed's ZeRO optimizer keeps one.
     To compare with a real torch model, use dtype="fp32" (no master copy then): torch.optim.AdamW keeps its moments
     in the parameter's dtype, so a bf16 model measures 2 + 2 bytes of moments, not 8, and one 4-byte `step` per tensor.
     """
@@ -175,7 +177,7 @@ def state_bytes(spec: ModelSpec, *, dtype: str = "bf16", lora: int = 0, master_w
     if not trained:
         return StateBytes(n * p, 0, 0, 0)
     t = adapters if lora else n
-    master = 4 * t if master_weights and dtype != "fp32" else 0
+    master = 4 * t if master_weights and (dtype != "fp32" or fp32_master) else 0
     return StateBytes((n + adapters) * p, t * p, 8 * t, master)
 
 
@@ -247,7 +249,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
              batch: int = 1, group: int = 8, prompt_len: int = 512, response_len: int = 1024, grad_ckpt: bool = True,
              dtype: str = "bf16", master_weights: bool = True, reward_model: bool | None = None,
              beta: float = 0.04, rollout: str = "hf", gpu_memory_utilization: float = 0.3,
-             gpu_mem: float = 80.0) -> Estimate:
+             gpu_mem: float = 80.0, backend: str | None = None) -> Estimate:
     """Per-GPU memory of `method` on `gpus` GPUs; the module docstring lists the roles and assumptions.
 
     Args:
@@ -264,17 +266,26 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         rollout: "hf" (the trainer's model samples, with a KV cache) or "vllm" (a colocated vLLM engine, which takes
             `gpu_memory_utilization` of the `gpu_mem` GB card for its weights and KV cache while it samples, and
             sleeps, freeing both, during the update: `rollout.gpu_memory_utilization` of a run).
+        backend: a run's `train.backend`, which sets `zero` to the stage it shards as (`BACKEND_STAGES`); the
+            DeepSpeed ones also keep an fp32 master copy of fp32 weights.
 
     Raises:
         UserError: a setting out of range, named.
     """
+    if backend is not None:
+        if backend not in BACKEND_STAGES:
+            raise UserError(f"backend={backend}: must be {' or '.join(BACKEND_STAGES)}")
+        if zero not in (0, BACKEND_STAGES[backend]):
+            raise UserError(f"zero={zero}: backend={backend} shards as zero={BACKEND_STAGES[backend]}")
+        zero = BACKEND_STAGES[backend]
     settings = {"gpus": gpus, "zero": zero, "offload": offload, "lora": lora, "batch": batch, "group": group,
                 "prompt_len": prompt_len, "response_len": response_len, "grad_ckpt": grad_ckpt, "dtype": dtype,
                 "master_weights": master_weights, "reward_model": reward_model, "beta": beta, "rollout": rollout,
-                "gpu_memory_utilization": gpu_memory_utilization, "gpu_mem": gpu_mem}
+                "gpu_memory_utilization": gpu_memory_utilization, "gpu_mem": gpu_mem, "backend": backend}
     _validate(method=method, **settings)
     p, n = BYTES[dtype], spec.n_params
-    trained = state_bytes(spec, dtype=dtype, lora=lora, master_weights=master_weights)
+    trained = state_bytes(spec, dtype=dtype, lora=lora, master_weights=master_weights,
+                          fp32_master=backend in DEEPSPEED)
     frozen = state_bytes(spec, dtype=dtype, trained=False)
     t = _num(spec.lora_params(lora)) + " LoRA" if lora else _num(n)
 
@@ -385,10 +396,12 @@ def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
         fit_s, out = ", ".join(map(str, fit)), ", ".join(str(n) for n in (1, 2, 4, 8) if n not in fit)
         verdict = f"{fit_s} GPUs" + (f" (not {out})" if out else "") if fit else f"none of {out} GPUs"
         lines.append(f"  fits in {gpu_mem:g} GB per GPU with: {verdict}")
-    master = "fp32 master weights" if c["master_weights"] and c["dtype"] != "fp32" else "no master copy"
+    master = ("fp32 master weights" if c["master_weights"] and (c["dtype"] != "fp32" or c["backend"] in DEEPSPEED)
+              else "no master copy")
     lora = f"LoRA rank {c['lora']} on q, k, v, o, gate, up, down" if c["lora"] else "full fine-tuning"
     lines += ["", "Assumptions:",
-              f"- {c['gpus']} GPU(s), ZeRO-{c['zero']}, offload={c['offload']} (CPU GB: this rank's shard).",
+              (f"- {c['gpus']} GPU(s), ZeRO-{c['zero']}" + (f" (train.backend={c['backend']})" if c["backend"] else "")
+               + f", offload={c['offload']} (CPU GB: this rank's shard)."),
               f"- {c['dtype']} weights and gradients, AdamW with fp32 moments, {master}, {lora}.",
               (f"- per GPU: batch={c['batch']} (PPO/GRPO prompts, SFT rows, DPO pairs), G={c['group']} per GRPO "
                f"prompt, {c['prompt_len']}+{c['response_len']} tokens, gradient checkpointing "
@@ -414,7 +427,7 @@ KEYS = {
     "G": (int, "group"), "prompt_len": (int, "prompt_len"), "response_len": (int, "response_len"),
     "grad_ckpt": (_bool, "grad_ckpt"), "dtype": (str, "dtype"), "master_weights": (_bool, "master_weights"),
     "reward_model": (_bool, "reward_model"), "beta": (float, "beta"), "rollout": (str, "rollout"),
-    "gpu_memory_utilization": (float, "gpu_memory_utilization"), "backend": (str, None),
+    "gpu_memory_utilization": (float, "gpu_memory_utilization"), "backend": (str, "backend"),
 }
 
 
@@ -438,12 +451,6 @@ def main(argv: list[str]) -> int:
     gpu_mem = values.pop("gpu_mem", 80.0)
     if gpu_mem <= 0:
         raise UserError(f"gpu_mem={gpu_mem}: must be positive (GB per GPU)")
-    if "backend" in values:  # a run's train.backend: the ZeRO stage it shards as
-        backend = values.pop("backend")
-        if backend not in BACKEND_STAGES:
-            raise UserError(f"backend={backend}: must be {' or '.join(BACKEND_STAGES)}")
-        if values.setdefault("zero", BACKEND_STAGES[backend]) != BACKEND_STAGES[backend]:
-            raise UserError(f"zero={values['zero']}: backend={backend} shards as zero={BACKEND_STAGES[backend]}")
     spec = model_spec(values.pop("model"))
     methods = values.pop("method", ",".join(algorithms.REGISTRY)).lower().split(",")
     kwargs = {KEYS[k][1]: v for k, v in values.items()}

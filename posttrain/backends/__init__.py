@@ -19,4 +19,4 @@ from posttrain.backends.base import BACKENDS, Backend, Trained, get, register
 
 __all__ = ["BACKENDS", "Backend", "Trained", "get", "register"]
 
-from posttrain.backends import ddp, fsdp  # noqa: E402,F401  (the built-in backends register themselves)
+from posttrain.backends import ddp, fsdp, zero  # noqa: E402,F401  (the built-in backends register themselves)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Any
 
 import torch
 
+from posttrain.core.memory import optimizer_bytes, tensor_bytes
 from posttrain.core.registry import Registry
+from posttrain.models import lora
 
 
 @dataclass
@@ -72,9 +75,11 @@ class Backend:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def train(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
-              warmup_steps: int | None = None) -> Trained:
-        """Wraps `model` for training with AdamW; `warmup_steps` adds a linear warm-up, then a constant rate."""
+    def train(self, model: torch.nn.Module, *, lr: float, weight_decay: float, warmup_steps: int | None = None,
+              max_grad_norm: float = 0.0) -> Trained:
+        """Wraps `model` for training with AdamW; `warmup_steps` adds a linear warm-up, then a constant rate.
+        `max_grad_norm` is the clipping `step` will be asked for (a backend that clips inside its engine needs it
+        up front)."""
         raise NotImplementedError
 
     def freeze(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -85,8 +90,9 @@ class Backend:
         """Context for one micro-batch's backward; gradients are synchronised across processes only when `sync`."""
         raise NotImplementedError
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagates `loss`, whose denominators already span every process."""
+    def backward(self, loss: torch.Tensor, trained: Trained) -> None:
+        """Back-propagates `loss` of the model being trained by `trained`, whose denominators already span every
+        process."""
         raise NotImplementedError
 
     def step(self, trained: Trained, max_grad_norm: float) -> torch.Tensor | None:
@@ -110,15 +116,50 @@ class Backend:
         """The plain model whose parameters are the trained ones, for sampling."""
         raise NotImplementedError
 
+    def whole(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of a weight (or gradient) of a model this backend placed: gathered where it is sharded,
+        in a call every process makes; the tensor itself otherwise."""
+        return param
+
     def weights(self, trained: Trained) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every weight, layer by layer, as the plain model names them (a LoRA adapter merged
-        in), for a rollout engine that holds its own copy."""
-        raise NotImplementedError
+        """(name, whole tensor) of every weight, one at a time, as the plain model names them (a LoRA adapter merged
+        in), for a rollout engine that holds its own copy. Every process iterates it, in the same order."""
+        model = self.generation_model(trained)
+        if lora.is_adapted(model):
+            yield from lora.merged_weights(model, full=self.whole)
+            return
+        for name, param in model.named_parameters():
+            yield name, self.whole(param)
+
+    # -- bytes this process holds, by role (summary.json's memory.roles_bytes) ---------------------------------
+    def weight_bytes(self, model: torch.nn.Module) -> int:
+        """Bytes of the weights of `model` (trained or frozen) that this process holds between forwards."""
+        return tensor_bytes(model.parameters())
+
+    def gradient_bytes(self, trained: Trained) -> int:
+        """Bytes of the gradients this process holds after backward, before the optimizer step."""
+        return tensor_bytes(p.grad for p in trained.module.parameters())
+
+    def optimizer_bytes(self, trained: Trained) -> int:
+        """Bytes of optimizer state this process holds (AdamW's moments and step counters, any master copy)."""
+        return optimizer_bytes(trained.optimizer)
 
     def save(self, trained: Trained, tokenizer, path: Path, merged: bool = False) -> None:
         """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
-        writes its adapter, or with `merged` the base with the adapter merged in."""
-        raise NotImplementedError
+        writes its adapter, or with `merged` the base with the adapter merged in.
+
+        Here the weights are gathered one at a time, every process taking part, and the first process keeps them in
+        CPU memory and writes them, as the unsharded model would save itself.
+        """
+        model = self.generation_model(trained)
+        if lora.is_adapted(model) and merged:
+            pairs = lora.merged_weights(model, full=self.whole)
+        else:
+            pairs = ((name, self.whole(param)) for name, param in model.named_parameters())
+        state = {name: tensor.detach().cpu() for name, tensor in pairs if self.is_main}
+        if self.is_main:
+            write(model, state, path, tokenizer, merged)
+        self.barrier()
 
 
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
@@ -128,6 +169,46 @@ def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
     if warmup_steps is None:
         return optimizer, None
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+
+
+def one_process_group(device: torch.device) -> None:
+    """A process group of one when no launcher started several, for backends whose tensors need a group."""
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
+def write(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, tokenizer, merged: bool) -> None:
+    """Writes gathered weights as the unsharded model would save itself: the model, or when adapted its adapter
+    (`state` names every weight of the peft model) or with `merged` the base (`state` is `merged_weights`)."""
+    if not lora.is_adapted(model):
+        save_plain(model, path, state)
+    elif merged:
+        lora.peft_model(model).get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
+    else:
+        lora.peft_model(model).save_pretrained(path, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def save_plain(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor]) -> None:
+    """`model.save_pretrained` with the gathered `state`, recording the model's own class, not FSDP's subclass."""
+    sharded_class = type(model)
+    model.__class__ = plain_class(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*shared tensors.*")
+            model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    finally:
+        model.__class__ = sharded_class
+
+
+def plain_class(model: torch.nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps it for a subclass named FSDP<class>."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)) if isinstance(model, FSDPModule) else cls
 
 
 BACKENDS = Registry("backend", "train.backend")  # name -> Backend subclass

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,7 +53,7 @@ class DDP(Backend):
             atexit.unregister(_close_process_group)  # once, however many runs this process makes
             atexit.register(_close_process_group)
 
-    def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
+    def train(self, model, *, lr, weight_decay, warmup_steps=None, max_grad_norm=0.0) -> Trained:
         if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
             model = model.to(torch.bfloat16)
         model = self.place(model)
@@ -76,7 +75,7 @@ class DDP(Backend):
                     stack.enter_context(self.acc.no_sync(t.module))
             yield
 
-    def backward(self, loss):
+    def backward(self, loss, trained):
         self.acc.backward(loss * self.world_size)
 
     def step(self, trained, max_grad_norm):
@@ -100,10 +99,6 @@ class DDP(Backend):
 
     def generation_model(self, trained):
         return self.acc.unwrap_model(trained.module)
-
-    def weights(self, trained) -> Iterator[tuple[str, torch.Tensor]]:
-        model = self.generation_model(trained)
-        yield from lora.merged_weights(model) if lora.is_adapted(model) else model.named_parameters()
 
     def save(self, trained, tokenizer, path: Path, merged: bool = False):
         if not self.is_main:  # every process holds the same weights

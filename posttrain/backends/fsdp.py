@@ -20,14 +20,11 @@ same code with one process or many.
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from posttrain.backends.base import Trained, adamw, register
+from posttrain.backends.base import Backend, Trained, adamw, one_process_group, register
 from posttrain.backends.ddp import DDP
 from posttrain.models import lora
 
@@ -47,14 +44,6 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in found if not any(m is not o and any(c is m for c in o.modules()) for o in found)]
 
 
-def plain_class(model: torch.nn.Module) -> type:
-    """The model's own class: `fully_shard` swaps it for a subclass named FSDP<class>."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(model)
-    return next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)) if isinstance(model, FSDPModule) else cls
-
-
 @register("fsdp2")
 class FSDP2(DDP):
     sharded = True
@@ -62,10 +51,7 @@ class FSDP2(DDP):
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
         super().__init__(precision, offload)
-        dist = torch.distributed
-        if not dist.is_initialized():  # one process: a group of one, so the weights are DTensors all the same
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1)
+        one_process_group(self.device)  # the weights are sharded tensors with one process too
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -84,7 +70,7 @@ class FSDP2(DDP):
         fully_shard(lora.hf_model(model), mesh=self.mesh, offload_policy=policy)
         return model
 
-    def train(self, model, *, lr, weight_decay, warmup_steps=None) -> Trained:
+    def train(self, model, *, lr, weight_decay, warmup_steps=None, max_grad_norm=0.0) -> Trained:
         if self.precision == "bf16":
             model = model.to(torch.bfloat16)
         model = self.shard(self.place(model))
@@ -98,7 +84,7 @@ class FSDP2(DDP):
     def accumulating(self, trained, sync):
         return contextlib.nullcontext()  # gradients are reduce-scattered every micro-batch: they stay sharded
 
-    def backward(self, loss):
+    def backward(self, loss, trained):
         (loss * self.world_size).backward()
 
     def step(self, trained, max_grad_norm):
@@ -112,47 +98,10 @@ class FSDP2(DDP):
         trained.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def whole(self, param):
+        return full(param)
+
     def generation_model(self, trained):
         return trained.module  # sampling runs the sharded module: each block is gathered for its own forward
 
-    def weights(self, trained) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight gathered whole, one at a time, in the same order on every process."""
-        model = trained.module
-        if lora.is_adapted(model):
-            yield from lora.merged_weights(model, full=full)
-            return
-        for name, param in model.named_parameters():
-            yield name, full(param)
-
-    def save(self, trained, tokenizer, path: Path, merged: bool = False):
-        """Gathers the weights (every process takes part; only the first keeps them, on CPU) and writes them from
-        the first process, as the unsharded model would."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        model = trained.module
-        if lora.is_adapted(model) and merged:
-            state = {name: t.detach().cpu() for name, t in lora.merged_weights(model, full=full)}
-        else:
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.is_main:
-            if not lora.is_adapted(model):
-                save_plain(model, path, state)
-            elif merged:
-                lora.peft_model(model).get_base_model().save_pretrained(path, state_dict=state,
-                                                                         safe_serialization=True)
-            else:
-                lora.peft_model(model).save_pretrained(path, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(path)
-        self.barrier()
-
-
-def save_plain(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor]) -> None:
-    """`model.save_pretrained` with the gathered `state`, recording the model's own class, not FSDP's subclass."""
-    sharded_class = type(model)
-    model.__class__ = plain_class(model)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*shared tensors.*")
-            model.save_pretrained(path, state_dict=state, safe_serialization=True)
-    finally:
-        model.__class__ = sharded_class
+    save = Backend.save  # gathered one weight at a time, not DDP's (whole weights on process 0)

@@ -65,9 +65,11 @@ class _GatedMLP(torch.autograd.Function):
 
 
 def _full_linear(layer) -> bool:
-    """A plain, bias-free linear layer whose whole weight is here (not a LoRA wrapper, not a ZeRO-3 shard)."""
+    """A plain, bias-free linear layer whose whole weight is here (not a LoRA wrapper, not a ZeRO-3 weight: ZeRO-3
+    gathers each layer's weight in that layer's own forward and backward, which this forward does not call, and
+    may have prefetched some of the three and not the others)."""
     w = getattr(layer, "weight", None)
-    return (type(layer) is torch.nn.Linear and layer.bias is None and w is not None
+    return (type(layer) is torch.nn.Linear and layer.bias is None and w is not None and not hasattr(w, "ds_id")
             and tuple(w.shape) == (layer.out_features, layer.in_features))
 
 

@@ -23,7 +23,7 @@ from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.heap import large_allocations_mapped
-from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes, optimizer_bytes, tensor_bytes
+from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
 from posttrain.data import RowSampler
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
@@ -63,7 +63,7 @@ class Engine:
         adapters = cfg.model.lora
         if adapters.r:
             policy = lora.apply(policy, adapters, model_path)
-        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs)
+        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze)
         # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
         self.ref, self.ref_is_base = None, False
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
@@ -72,8 +72,9 @@ class Engine:
             else:
                 self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen,
                                                key="model.ref_path")[0])
-        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps)
-        self.parameters = lora.parameter_counts(policy)
+        self.parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
+        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+                                    max_grad_norm=t.max_grad_norm)
         self.critic = None
         if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
             critic, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=self.tokenizer,
@@ -81,7 +82,8 @@ class Engine:
             lean_gated_mlps(critic)
             if adapters.r:  # its own adapter and value head on its own copy of the base (docs/lora.md says why)
                 critic = lora.apply(critic, adapters, a.critic_path or model_path, kind="critic")
-            self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay)
+            self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay,
+                                        max_grad_norm=t.max_grad_norm)
         sampler = lora.hf_model(backend.generation_model(self.policy))  # adapters in place when adapted
         self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
             policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
@@ -122,7 +124,7 @@ class Engine:
         for role, model in (("policy_weights", sampler), ("reference_weights", ref),
                             ("critic_weights", self.critic and self.critic.module), ("reward_model_weights", rm)):
             if model is not None:
-                self.roles.observe(role, tensor_bytes(model.parameters()))
+                self.roles.observe(role, backend.weight_bytes(model))
 
     def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
         """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
@@ -189,13 +191,13 @@ class Engine:
                                           temperature=self.temperature)  # [b, R] float32
                 gc, m = self.coefficient(mb, logp.detach())  # [b, R]
                 loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
-                backend.backward(loss)
+                backend.backward(loss, self.policy)
                 if self.critic is not None:
                     with backend.autocast():
                         values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
                     per_token, cm = self.plugin.critic_loss(mb, values, cfg.algorithm)  # [b, R]
                     critic_loss = aggregate(per_token, mb.mask, "token_mean", totals)
-                    backend.backward(critic_loss)
+                    backend.backward(critic_loss, self.critic)
                     m = {**m, **cm, "critic_loss": critic_loss * len(micro)}
             loss_sum += loss.detach()
             for k, v in m.items():
@@ -227,11 +229,11 @@ class Engine:
         for name, trained in (("policy", self.policy), ("critic", self.critic)):
             if trained is None:
                 continue
-            self.roles.observe(f"{name}_gradients", tensor_bytes(p.grad for p in trained.module.parameters()))
+            self.roles.observe(f"{name}_gradients", self.backend.gradient_bytes(trained))
             norm = self.backend.step(trained, max_norm)
             if norm is not None:
                 metrics["grad_norm" if name == "policy" else "critic_grad_norm"] = norm
-            self.roles.observe(f"{name}_optimizer_state", optimizer_bytes(trained.optimizer))
+            self.roles.observe(f"{name}_optimizer_state", self.backend.optimizer_bytes(trained))
         return metrics
 
     def totals(self, batch: Batch) -> Totals:
