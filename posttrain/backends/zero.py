@@ -68,11 +68,11 @@ class ZeRO(DDP):
     @classmethod
     def check(cls, train) -> None:
         super().check(train)
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(f"train.backend: {cls.name} needs DeepSpeed: pip install 'posttrain[deepspeed]'")
         if train.precision == "bf16":
             raise ConfigError(f"train.precision: {cls.name} keeps fp32 master weights; use bf16-mixed (DeepSpeed's "
                               "bf16: bf16 weights and gradients, fp32 master and AdamW state) or fp32")
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"train.backend: {cls.name} needs DeepSpeed: pip install 'posttrain[deepspeed]'")
 
     def config(self, model: torch.nn.Module, *, trained: bool, max_grad_norm: float = 0.0) -> dict:
         """The DeepSpeed config of one model. Buckets are sized by the model, as transformers' integration does
