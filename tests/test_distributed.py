@@ -183,3 +183,29 @@ def test_shipped_accelerate_configs_start_two_ranks(tiny_model_dir, tmp_path, la
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "fsdp2"
+
+
+@pytest.mark.parametrize("backend,offload", [p for p in backends() if p.id in ("fsdp2", "zero3")])
+def test_every_role_is_sharded(tiny_model_dir, tmp_path, backend, offload):
+    """PPO with a reward model on 2 ranks: the policy, its critic, the reference and the reward model each hold half
+    of their weights on each rank (fp32: 4 bytes a weight)."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    from posttrain.models.loading import load
+
+    rm_dir = tmp_path / "rm"
+    LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm_dir)
+    out = tmp_path / "ppo"
+    proc = torchrun("-m", "posttrain", "run", "recipe=ppo_math", f"model.path={tiny_model_dir}", f"output_dir={out}",
+                    f"reward_model.path={rm_dir}", "train.precision=fp32", "train.steps=1", "train.batch_size=2",
+                    "rollout.max_new_tokens=6", "eval.num_problems=0", "data.train_size=20", "data.test_size=4",
+                    f"train.backend={backend}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == backend
+    held = summary["memory"]["roles_bytes"]
+    whole = {"policy_weights": load(tiny_model_dir)[0], "reference_weights": load(tiny_model_dir)[0],
+             "critic_weights": load(tiny_model_dir, "critic")[0], "reward_model_weights": load(rm_dir, "reward_model")[0]}
+    for role, model in whole.items():
+        assert held[role] == pytest.approx(4 * model.num_parameters() / 2, rel=0.02), role
