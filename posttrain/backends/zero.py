@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +61,9 @@ class ZeRO(DDP):
         super().__init__(precision, offload)
         import deepspeed
 
+        # DeepSpeed calls torch collectives that torch 2.13 renamed, and torch warns at every call (hundreds per
+        # step under ZeRO-3); nothing a user can act on
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         if self.device.type == "cpu":
             _no_shm_compile()
         one_process_group(self.device)
