@@ -32,6 +32,17 @@ def whole_grad(backend, param):
     return None if param.grad is None else backend.whole(param.grad)
 
 
+def offloaded(backend, trained) -> str:
+    """What the backend really put in CPU memory, read from the sharding library's own state."""
+    if backend.name == "fsdp2":
+        policy = trained.module._get_fsdp_state()._fsdp_param_group.offload_policy
+        return "params" if type(policy).__name__ == "CPUOffloadPolicy" else "none"
+    if backend.name.startswith("zero"):
+        engine = trained.module
+        return "params" if engine.zero_offload_param() else "optimizer" if engine.zero_cpu_offload() else "none"
+    return "none"
+
+
 def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -> None:
     cfg, _ = config.load("sft_math", [f"model.path={model_dir}", "train.micro_batch_size=3", "train.lr=1e-2",
                                       "data.train_size=50", "data.test_size=5", "train.precision=fp32",
@@ -58,7 +69,8 @@ def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -
     saved = Path(out).with_suffix(".model")
     backend.save(engine.policy, engine.tokenizer, saved)
     if backend.is_main:
-        torch.save({"world_size": backend.world_size, "backend": type(backend).__name__, "offload": backend.offload,
+        torch.save({"world_size": backend.world_size, "backend": type(backend).__name__,
+                    "offload": offloaded(backend, engine.policy),
                     "loss": float(loss), "norm": float(norm),
                     "grads": grads, "weights": weights, "roles": roles, "head": type(model.lm_head).__name__,
                     "max": top, "saved": str(saved), "dtype": str(next(iter(weights.values())).dtype)}, out)
