@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
         "tests/test_aggregation.py", "tests/test_scoring.py"]
 ENGINE = "tests/test_engine.py::test_gradient_invariant_to_micro_batches"
+DIST = "tests/test_distributed.py"
 # Each guarded file's own tests first, so the test named as the killer is the nearest one.
 FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/registry.py": ["tests/test_algorithms.py"],
          "algorithms/sft.py": ["tests/test_sft.py"], "algorithms/rft.py": ["tests/test_rft.py"],
@@ -39,7 +40,9 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/models/scoring.py": ["tests/test_scoring.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
          "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
          "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py"],
-         "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"]}
+         "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"],
+         "posttrain/backends/fsdp.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
+         "posttrain/backends/zero.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"]}
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
 TRAIN = "posttrain/train/engine.py"
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
 GMLP, LORA = "posttrain/models/gated_mlp.py", "posttrain/models/lora.py"
+FSDP, ZERO = "posttrain/backends/fsdp.py", "posttrain/backends/zero.py"
 
 MUTANTS = [
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
@@ -383,9 +387,19 @@ MUTANTS = [
     m("gmlp-down-input", GMLP, "_GatedMLP.backward", "down's weight gradient from act(gate) instead of the product",
       "_flat(a.detach() * u)", "_flat(a.detach())"),
     m("lora-merge-no-delta", LORA, "merged_weights", "adapted weights synced without the adapter",
-      "param + layers[owner].get_delta_weight(adapter).to(param.dtype)", "param"),
+      "weight + _delta(layers[owner], adapter, full).to(weight.dtype)", "weight"),
+    m("lora-delta-unscaled", LORA, "_delta", "the adapter's B A merged without its α/r",
+      "delta = (b.float() @ a.float()) * layer.scaling[adapter]", "delta = b.float() @ a.float()"),
     m("lora-ref-adapter-on", TRAIN, "Engine.reference_logp", "reference scored with the adapter on",
       "with lora.adapter_off(self.policy.module):", "if True:"),
+    # posttrain/backends: several processes (tests/test_distributed.py runs them on 2 ranks)
+    m("fsdp2-average-kept", FSDP, "FSDP2.backward", "FSDP's average over processes not undone",
+      "(loss * self.world_size).backward()", "loss.backward()"),
+    m("zero-average-kept", ZERO, "ZeRO.backward", "DeepSpeed's average over processes not undone",
+      "trained.module.backward(loss * self.world_size, scale_wrt_gas=False)",
+      "trained.module.backward(loss, scale_wrt_gas=False)"),
+    m("decode-alone", HF, "decode", "a sharded decode loop stops when this process's rows have",
+      "(agree(bool(done.all())) if agree else bool(done.all()))", "bool(done.all())"),
     # posttrain/core/batch.py: trimming a micro-batch's padding columns
     m("trim-left-late", BATCH, "Batch.trimmed", "one real prompt column cut", "left = int(real[:P].float().argmax())",
       "left = int(real[:P].float().argmax()) + 1"),
