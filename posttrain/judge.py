@@ -17,7 +17,7 @@ import torch
 
 from posttrain import rewards
 from posttrain.data import prompt_texts
-from posttrain.rewards.accuracy import accuracy
+from posttrain.rewards.accuracy import accuracy, extract_answer
 from posttrain.schema import DataConfig, RunConfig, weights_dtype
 
 
@@ -52,6 +52,12 @@ class Judge:
     def correct(self, rows: list[dict], completions: list[str]) -> list[bool]:
         """The accuracy rule's verdict for each completion of `rows`."""
         return [c == 1.0 for c in accuracy(completions, self.answers(rows))]
+
+    @staticmethod
+    def final_answers(completions: list[str]) -> list[str | None]:
+        """The final answer the accuracy rule reads from each completion (normalised), or None: what maj@k votes on.
+        A final answer alone is itself a completion the rule scores as that answer."""
+        return [extract_answer(c) for c in completions]
 
 
 def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None) -> Judge:

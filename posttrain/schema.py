@@ -228,11 +228,17 @@ class EvalConfig:
     """Problems decoded at once."""
     max_new_tokens: int | None = None
     """Token budget per answer; null: rollout.max_new_tokens."""
+    k: int = 0
+    """Also sample each problem (at rollout.temperature and top_p) for pass@k and maj@k; 0: greedy only."""
+    n: int | None = None
+    """Samples per problem behind pass@k's unbiased estimate (≥ k; more lowers its variance); null: k."""
 
     def __post_init__(self):
-        for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1)):
+        for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1), ("k", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be ≥ {low} (got {getattr(self, key)})")
+        if self.n is not None and self.n < max(self.k, 1):
+            raise ConfigError(f"n: must be ≥ k = {self.k} and ≥ 1, or null (got {self.n})")
 
 
 @dataclass

@@ -3,6 +3,7 @@
     posttrain run recipe=NAME_OR_PATH [key=value ...]     train
     posttrain config recipe=NAME_OR_PATH [key=value ...]  print the resolved config
     posttrain recipes                                     list the recipes that ship with posttrain
+    posttrain eval MODEL_DIR [eval.k=8 key=value ...]     greedy accuracy, pass@k and maj@k of a model
     posttrain estimate model=DIR_OR_PRESET gpus=N ...     per-GPU memory of SFT, DPO, PPO and GRPO
     posttrain compare RECIPE RECIPE ... [key=value ...]   run recipes on one budget and report them side by side
 
@@ -79,6 +80,15 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from posttrain.apps import evaluate
+
+    report = evaluate.main(args.model, args.overrides, output=args.output, quiet=args.quiet)
+    print(evaluate.summary_line(report))
+    print(f"per-problem records in {args.output}")
+    return 0
+
+
 def cmd_estimate(args) -> int:
     from posttrain.apps import estimate
 
@@ -109,6 +119,18 @@ def parser() -> argparse.ArgumentParser:
     rec = sub.add_parser("recipes", help="list the recipes that ship with posttrain, one line each",
                          description="List the recipes that ship with posttrain, each with a one-line description.")
     rec.set_defaults(func=cmd_recipes)
+    ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a model on held-out problems",
+                        description="Evaluate a model: posttrain eval MODEL_DIR [recipe=NAME] [eval.k=8 eval.n=16 "
+                        "eval.num_problems=N data.test_path=… rollout.temperature=…]. Greedy accuracy, and with "
+                        "eval.k pass@k (unbiased, from eval.n ≥ k samples per problem) and maj@k (majority vote over "
+                        "the final answers of k samples), on the recipe's held-out problems (grpo_math's embedded "
+                        "task by default). Writes per-problem records to eval.json.", epilog=EPILOG)
+    ev.add_argument("model", metavar="MODEL_DIR")
+    ev.add_argument("overrides", nargs="*", metavar="key=value")
+    ev.add_argument("-o", "--output", default="eval.json", help="where to write the report (default: eval.json; "
+                    "an existing file is never replaced)")
+    ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ev.set_defaults(func=cmd_eval)
     est = sub.add_parser("estimate", help="per-GPU memory of SFT, DPO, PPO and GRPO for a model and GPU count",
                          description="Estimate per-GPU memory: posttrain estimate model=DIR_OR_PRESET gpus=N zero=0|1|2|3 "
                          "[offload=none|optimizer|all] [lora=R] [batch=… G=… prompt_len=… response_len=…] "

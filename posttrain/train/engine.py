@@ -300,7 +300,8 @@ class Engine:
         with self.backend.autocast():
             return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
                             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                            batch_size=e.batch_size, backend=self.backend)
+                            batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
+                            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
 
 
 def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,10 @@
-"""Held-out evaluation: greedy answers to test problems from the rollout engine, judged correct or not."""
+"""Held-out evaluation: greedy answers to test problems from the rollout engine, judged correct or not; and with
+`eval.k`, pass@k and maj@k from sampled answers. `posttrain run` evaluates with it, and `posttrain eval` alone."""
 
 from __future__ import annotations
+
+import math
+from collections import Counter
 
 import torch
 
@@ -8,37 +12,88 @@ from posttrain.data import completion_texts, prompt_ids
 from posttrain.schema import DataConfig, EvalConfig
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from n ≥ k samples of which c are correct (Chen et al. 2021,
+    arXiv:2107.03374): 1 − C(n − c, k) / C(n, k), as a product that never forms the binomials."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority(answers: list[str | None]) -> str | None:
+    """The most frequent answer (the earliest of those tied), ignoring completions without one; None if none has."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return None
+    top = max(votes.values())
+    return next(a for a in answers if a is not None and votes[a] == top)
+
+
 @torch.no_grad()
 def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, *, max_new_tokens: int,
-             batch_size: int, backend=None) -> dict:
-    """Greedy accuracy on `rows` (sharded across processes when `backend` runs several).
+             batch_size: int, backend=None, k: int = 0, n: int | None = None, temperature: float = 1.0,
+             top_p: float = 1.0, records: bool = False, progress=None) -> dict:
+    """Greedy accuracy on `rows` (sharded across processes when `backend` runs several), and with `k` > 0 pass@k and
+    maj@k from `n` (default k) samples per problem at `temperature` and `top_p`.
+
+    pass@k is the unbiased estimate from the n samples; maj@k votes over the final answers of the first k (a problem
+    counts as solved when the most frequent answer is right).
+
+    Args:
+        records: also return one record per problem of this process ("records").
+        progress: called with the number of problems done so far, after each batch.
 
     Returns:
-        {"accuracy", "num_problems", "mean_response_tokens", "examples": first three (prompt, completion, answer)}.
+        {"accuracy", "num_problems", "mean_response_tokens", "examples": first three (prompt, completion, answer)},
+        with k: "pass@k", "maj@k" (k written out), "k" and "n".
     """
     rank, world = (backend.rank, backend.world_size) if backend else (0, 1)
+    n = (n or k) if k else 0
     shard = rows[rank::world]
     # Sharded weights: every process makes as many calls as the largest shard needs, an empty one on a dummy row.
     calls = -(-len(rows[::world]) // batch_size) if rollout.collective else -(-len(shard) // batch_size)
-    correct = tokens = 0.0
-    examples = []
+    sums = torch.zeros(5, dtype=torch.float64)  # greedy correct, greedy tokens, problems, pass@k, maj@k
+    examples, out = [], []
     for start in range(0, calls * batch_size, batch_size):
         chunk = shard[start : start + batch_size]
-        batch = rollout.generate(prompt_ids(tokenizer, chunk or rows[:1], data_cfg), 1,
-                                 max_new_tokens=max_new_tokens, greedy=True)
+        prompts = prompt_ids(tokenizer, chunk or rows[:1], data_cfg)
+        batch = rollout.generate(prompts, 1, max_new_tokens=max_new_tokens, greedy=True)
+        sampled = rollout.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p) if n else None
         if not chunk:
             continue
         texts = completion_texts(tokenizer, batch)
-        correct += sum(judge.correct(chunk, texts))
-        tokens += float(batch.mask.sum())
+        verdicts = judge.correct(chunk, texts)
+        sums[:3] += torch.tensor([sum(verdicts), float(batch.mask.sum()), len(chunk)], dtype=torch.float64)
         examples += [{"question": str(r[data_cfg.prompt_field]), "completion": t, "answer": a}
                      for r, t, a in zip(chunk, texts, judge.answers(chunk))][: 3 - len(examples)]
-    totals = torch.tensor([correct, tokens, float(len(shard))])
+        if n:
+            samples = completion_texts(tokenizer, sampled)  # rows i·n … i·n + n − 1 answer problem i
+        for i, row in enumerate(chunk):
+            record = {"question": str(row[data_cfg.prompt_field]), "answer": judge.answers([row])[0],
+                      "greedy": {"completion": texts[i], "correct": verdicts[i]}}
+            if n:
+                mine = samples[i * n : (i + 1) * n]
+                right = judge.correct([row] * n, mine)
+                voted = majority(judge.final_answers(mine[:k]))
+                voted_right = voted is not None and judge.correct([row], [voted])[0]
+                sums[3:] += torch.tensor([pass_at_k(n, sum(right), k), float(voted_right)], dtype=torch.float64)
+                record.update(samples=[{"completion": t, "correct": c} for t, c in zip(mine, right)],
+                              correct_samples=sum(right), majority_answer=voted, majority_correct=voted_right)
+            if records:
+                out.append(record)
+        if progress is not None:
+            progress(min(start + batch_size, len(shard)))
     if backend is not None and world > 1:
-        totals = backend.reduce(totals.to(backend.device), "sum").cpu()
-    correct, tokens, n = totals.tolist()
-    return {"accuracy": correct / max(n, 1), "num_problems": int(n), "mean_response_tokens": tokens / max(n, 1),
-            "examples": examples}
+        sums = backend.reduce(sums.float().to(backend.device), "sum").cpu().double()
+    correct, tokens, total, passed, voted = sums.tolist()
+    result = {"accuracy": correct / max(total, 1), "num_problems": int(total),
+              "mean_response_tokens": tokens / max(total, 1), "examples": examples}
+    if n:
+        result.update({f"pass@{k}": passed / max(total, 1), f"maj@{k}": voted / max(total, 1), "k": k, "n": n})
+    if records:
+        result["records"] = out
+    return result
 
 
 class Schedule:

@@ -18,11 +18,11 @@ FIELDS = (("reward", "reward {:.3f}"), ("kl", "kl {:.4f}"), ("loss", "loss {:.4f
 class Progress:
     """A live bar on a terminal; a plain line every tenth of the run otherwise (logs, CI)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool = True, unit: str = "step"):
+        self.total, self.enabled, self.unit = total, enabled, unit
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
-        self.bar = RichProgress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+        self.bar = RichProgress(TextColumn(unit), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                                 TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), console=self.console)
         self.task = None
 
@@ -39,7 +39,7 @@ class Progress:
         if self.live:
             self.bar.update(self.task, completed=metrics["step"], info=info)
         elif metrics["step"] % max(1, self.total // 10) == 0 or metrics["step"] == self.total:
-            print(f"step {metrics['step']}/{self.total}  {info}", file=sys.stderr, flush=True)
+            print(f"{self.unit} {metrics['step']}/{self.total}  {info}".rstrip(), file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self.live:
