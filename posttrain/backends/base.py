@@ -156,6 +156,7 @@ class Backend:
             pairs = lora.merged_weights(model, full=self.whole)
         else:
             pairs = ((name, self.whole(param)) for name, param in model.named_parameters())
+        # every process walks all the pairs (each gather is collective); only the first keeps them
         state = {name: tensor.detach().cpu() for name, tensor in pairs if self.is_main}
         if self.is_main:
             write(model, state, path, tokenizer, merged)
