@@ -180,20 +180,22 @@ def one_process_group(device: torch.device) -> None:
                                 world_size=1)
 
 
-def write(model: torch.nn.Module, state: dict[str, torch.Tensor], path: Path, tokenizer, merged: bool) -> None:
-    """Writes gathered weights as the unsharded model would save itself: the model, or when adapted its adapter
-    (`state` names every weight of the peft model) or with `merged` the base (`state` is `merged_weights`)."""
+def write(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, path: Path, tokenizer, merged: bool) -> None:
+    """Writes the model as it would save itself, from `state` when a backend gathered it (None: the weights it
+    holds): the model, or when adapted its adapter (`state` names every weight of the peft model) or with `merged`
+    the base with the adapter merged in (`state` is `merged_weights`); then the tokenizer."""
     if not lora.is_adapted(model):
         save_plain(model, path, state)
     elif merged:
-        lora.peft_model(model).get_base_model().save_pretrained(path, state_dict=state, safe_serialization=True)
+        lora.save_merged(model, path, state)
     else:
-        lora.peft_model(model).save_pretrained(path, state_dict=state, safe_serialization=True)
+        lora.save_adapter(model, path, state)
     tokenizer.save_pretrained(path)
 
 
-def save_plain(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor]) -> None:
-    """`model.save_pretrained` with the gathered `state`, recording the model's own class, not FSDP's subclass."""
+def save_plain(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None) -> None:
+    """`model.save_pretrained` with the gathered `state` (None: its own weights), recording the model's own class,
+    not FSDP's subclass."""
     sharded_class = type(model)
     model.__class__ = plain_class(model)
     try:

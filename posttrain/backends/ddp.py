@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.backends.base import Backend, Trained, adamw, register
-from posttrain.models import lora
+from posttrain.backends.base import Backend, Trained, adamw, register, write
 
 
 def _close_process_group() -> None:
@@ -101,13 +100,5 @@ class DDP(Backend):
         return self.acc.unwrap_model(trained.module)
 
     def save(self, trained, tokenizer, path: Path, merged: bool = False):
-        if not self.is_main:  # every process holds the same weights
-            return
-        model = self.generation_model(trained)
-        if not lora.is_adapted(model):
-            model.save_pretrained(path, safe_serialization=True)
-        elif merged:
-            lora.save_merged(model, path)
-        else:
-            lora.save_adapter(model, path)
-        tokenizer.save_pretrained(path)
+        if self.is_main:  # every process holds the same weights, whole: the first writes them as they are
+            write(self.generation_model(trained), None, path, tokenizer, merged)

@@ -118,13 +118,16 @@ def _delta(layer, adapter: str, full) -> torch.Tensor:
     return delta.T if layer.fan_in_fan_out else delta
 
 
-def save_adapter(model: torch.nn.Module, path: Path) -> None:
-    """The adapter alone (adapter_config.json, adapter_model.safetensors), naming its base by absolute path."""
-    peft_model(model).save_pretrained(path, safe_serialization=True)
+def save_adapter(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The adapter alone (adapter_config.json, adapter_model.safetensors), naming its base by absolute path; from
+    `state` (every weight of the peft model, gathered by a sharded backend) when given."""
+    peft_model(model).save_pretrained(path, state_dict=state, safe_serialization=True)
 
 
-def save_merged(model: torch.nn.Module, path: Path) -> None:
-    """The base with the adapter merged in, as an ordinary Hugging Face directory; the adapter stays as it was."""
+def save_merged(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The base with the adapter merged in, as an ordinary Hugging Face directory; the adapter stays as it was.
+    `state` is `merged_weights` already computed (gathered by a sharded backend); by default they are computed here."""
     base = peft_model(model).get_base_model()
-    state = {name: tensor.detach().contiguous() for name, tensor in merged_weights(model)}
+    if state is None:
+        state = {name: tensor.detach().contiguous() for name, tensor in merged_weights(model)}
     base.save_pretrained(path, state_dict=state, safe_serialization=True)
