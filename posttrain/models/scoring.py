@@ -32,7 +32,7 @@ from posttrain.models.lora import hf_model
 
 # Model types whose causal-LM forward computes logits as exactly `lm_head(hidden[:, -logits_to_keep:])`, nothing
 # after it; `tests/test_scoring.py` checks each, in value and gradient, against the naive log_softmax.
-HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2", "phi3", "olmo2"})
+HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "phi3", "olmo2"})
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -176,7 +176,7 @@ def token_logprobs(
             V ≤ 8192).
 
     Returns:
-        [B, R] float32 log-probabilities; 0 at padding positions (mask them anyway).
+        [B, R] float32 log-probabilities; what padding positions hold depends on the path, so mask them.
     """
     B, T = input_ids.shape
     R = T - prompt_len
