@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from posttrain import algorithms, backends, rewards, rollout
 from posttrain.core.errors import ConfigError
@@ -73,8 +73,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        (tp,) = [a for a in args if a is not type(None)]
-        return _coerce(value, tp, key)
+        options = [a for a in args if a is not type(None)]
+        for tp in options[:-1]:  # `bool | str`: the first type that takes the value
+            try:
+                return _coerce(value, tp, key)
+            except ConfigError:
+                pass
+        return _coerce(value, options[-1], key)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -135,7 +140,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
             raise ConfigError(f"override {item!r}: expected key=value")
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-        tree = OmegaConf.to_container(merged, resolve=True)
+        tree = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as err:  # `???` in a recipe: a value it cannot guess, e.g. model.path
+        raise ConfigError(f"{err.full_key}: required by recipe {path.stem}; give {err.full_key}=...") from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"config: {str(err).splitlines()[0]}") from None
     if not isinstance(tree, dict):

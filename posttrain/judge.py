@@ -17,7 +17,7 @@ import torch
 
 from posttrain import rewards
 from posttrain.data import prompt_texts
-from posttrain.rewards.accuracy import accuracy, extract_answer
+from posttrain.rewards.accuracy import final_answers, verdicts
 from posttrain.schema import DataConfig, RunConfig, weights_dtype
 
 
@@ -25,42 +25,48 @@ class Judge:
     """Rewards and verdicts for completions, one row per completion.
 
     Args:
-        data: the field mapping (`answer_field`, `prompt_field`) and prompt template.
+        data: the field mapping (`answer_field`, `prompt_field`), how answers are checked (`answer_format`) and the
+            prompt template.
         weights: rule reward name -> weight (`rewards` in the config).
         reward_model: a callable (prompts, completions) -> scores, or None.
         reward_model_weight: its weight in the total.
+        tokenizer: the policy's; with a chat template, rewards see the prompt as the template rendered it.
     """
 
     def __init__(self, data: DataConfig, weights: dict[str, float], reward_model=None,
-                 reward_model_weight: float = 1.0):
+                 reward_model_weight: float = 1.0, tokenizer=None):
         self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
-        self.rules = rewards.combine(weights)
+        self.tokenizer = tokenizer
+        self.rules = rewards.combine(weights, answer_format=data.answer_format)
 
     def answers(self, rows: list[dict]) -> list[str]:
         return [str(r[self.data.answer_field]) for r in rows]
 
     def score(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        """([B] total reward, {"reward", "reward/<name>": mean of each part}) for completions of `rows`."""
-        prompts = prompt_texts(rows, self.data)
+        """([B] total reward, stats) for completions of `rows`. The stats hold "reward", "reward/<name>" (the mean
+        of each part) and "reward/verify_errors" (checks that raised or ran out of time, each scored 0)."""
+        prompts = prompt_texts(rows, self.data, self.tokenizer)
         total, parts = self.rules(completions, self.answers(rows), prompts)
+        errors = sum(s is None for scores in parts.values() for s in scores)
+        parts = {name: [s or 0.0 for s in scores] for name, scores in parts.items()}
         if self.reward_model is not None:
             parts["model"] = self.reward_model(prompts, completions)
             total = [t + self.reward_model_weight * m for t, m in zip(total, parts["model"])]
-        stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}}
+        stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()},
+                 "reward/verify_errors": float(errors)}
         return torch.tensor(total), stats
 
     def correct(self, rows: list[dict], completions: list[str]) -> list[bool]:
-        """The accuracy rule's verdict for each completion of `rows`."""
-        return [c == 1.0 for c in accuracy(completions, self.answers(rows))]
+        """The accuracy rule's verdict for each completion of `rows` (a failed check is not correct)."""
+        return [v is True for v in verdicts(completions, self.answers(rows), self.data.answer_format)]
 
-    @staticmethod
-    def final_answers(completions: list[str]) -> list[str | None]:
-        """The final answer the accuracy rule reads from each completion (normalised), or None: what maj@k votes on.
-        A final answer alone is itself a completion the rule scores as that answer."""
-        return [extract_answer(c) for c in completions]
+    def final_answers(self, completions: list[str]) -> list[str | None]:
+        """The final answer the accuracy rule reads from each completion, as a string equal for equal answers, or
+        None: what maj@k votes on."""
+        return final_answers(completions, self.data.answer_format)
 
 
-def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None) -> Judge:
+def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokenizer=None) -> Judge:
     """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, and
     placed by `place` (the backend's, which shards it where weights are sharded) when given."""
     model = None
@@ -69,4 +75,4 @@ def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None) -> Jud
 
         model = RewardModel(cfg.reward_model.path, device, dtype=weights_dtype(cfg.train.precision, trained=False),
                             place=place)
-    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight)
+    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight, tokenizer)

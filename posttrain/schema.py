@@ -81,20 +81,49 @@ class WarmupConfig:
     """Where warmed-up models are kept and reused; null: $POSTTRAIN_CACHE or ~/.cache/posttrain."""
 
 
+# The layouts `data.preset` names: the fields that hold the question, target response and reference answer, how
+# answers are checked (number: the number after `####`, else the last number; math: math-verify on `\\boxed{}`,
+# LaTeX or plain answers), and the prompt text around the question without and with a chat template.
+PRESETS = {
+    "embedded": dict(prompt_field="question", response_field="answer", answer_field="answer", answer_format="number",
+                     raw="Q: {prompt}\nA: ", chat="{prompt}"),
+    "gsm8k": dict(prompt_field="question", response_field="answer", answer_field="answer", answer_format="number",
+                  raw="Q: {prompt}\nA: ",
+                  chat="{prompt}\nSolve it step by step, then give the final number after ####."),
+    "math": dict(prompt_field="problem", response_field="solution", answer_field="solution", answer_format="math",
+                 raw="Problem: {prompt}\nSolution: ",
+                 chat="{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."),
+}
+ANSWER_FORMATS = ("number", "math")
+
+
 @dataclass
 class DataConfig:
+    preset: str | None = None
+    """Layout of the rows and how answers are checked: gsm8k (question, answer ending `#### N`), math (problem,
+    solution with a `\\boxed{}` answer, checked with math-verify) or embedded (the built-in task, no path); null:
+    embedded without `path`, gsm8k with it. The keys below that are null take the preset's value."""
     path: str | None = None
     """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk); null: the embedded task."""
     test_path: str | None = None
     """Held-out rows for evaluation, same format; null with `path` set: the last `eval.num_problems` rows of `path`."""
-    prompt_field: str = "question"
-    """Field holding the question."""
-    response_field: str = "answer"
-    """Field holding the target response (offline methods such as SFT)."""
-    answer_field: str = "answer"
-    """Field holding the reference answer the rule reward checks (a number, or text ending in `#### N`)."""
-    template: str = "Q: {prompt}\nA: "
-    """Prompt text around the question; `{prompt}` is replaced by it."""
+    prompt_field: str | None = None
+    """Field holding the question (gsm8k, embedded: question; math: problem)."""
+    response_field: str | None = None
+    """Field holding the target response of offline methods such as SFT (gsm8k, embedded: answer; math: solution)."""
+    answer_field: str | None = None
+    """Field holding the reference answer the accuracy rule checks (gsm8k, embedded: answer; math: solution)."""
+    answer_format: str | None = None
+    """How answers are checked: number (the number after the last `####`, else the last number; gsm8k, embedded) or
+    math (math-verify: `\\boxed{}`, fractions, sets, intervals, units; time-bounded; math)."""
+    template: str | None = None
+    """Prompt text around the question, `{prompt}` replaced by it (the user message under a chat template); null:
+    the preset's, e.g. "Q: {prompt}\\nA: " without a chat template and "{prompt}" plus an instruction with one."""
+    chat_template: bool | str = "auto"
+    """Render prompts with the tokenizer's chat template: auto (when the tokenizer has one), true (required) or
+    false (the raw template text)."""
+    system_prompt: str | None = None
+    """A system message before the question (with a chat template), or a line before the prompt (without)."""
     max_prompt_len: int = 512
     """Prompts longer than this many tokens keep their last tokens."""
     max_response_len: int = 512
@@ -111,7 +140,22 @@ class DataConfig:
     """Embedded task: seed of the problem generator."""
 
     def __post_init__(self):
-        if "{prompt}" not in self.template:
+        preset = self.preset or ("embedded" if self.path is None else "gsm8k")
+        if preset not in PRESETS:
+            raise ConfigError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)}")
+        if preset == "embedded" and self.path is not None:
+            raise ConfigError("preset: embedded is the built-in task and takes no data.path (give gsm8k or math)")
+        if preset != "embedded" and self.path is None and self.test_path is None:
+            raise ConfigError(f"path: data.preset={preset} needs local files (data.path, data.test_path)")
+        for key in ("prompt_field", "response_field", "answer_field", "answer_format"):
+            if getattr(self, key) is None:
+                setattr(self, key, PRESETS[preset][key])
+        self.preset = preset
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ConfigError(f"answer_format: unknown {self.answer_format!r}; known: {', '.join(ANSWER_FORMATS)}")
+        if self.chat_template not in (True, False, "auto"):
+            raise ConfigError(f"chat_template: must be auto, true or false (got {self.chat_template!r})")
+        if self.template is not None and "{prompt}" not in self.template:
             raise ConfigError(f"template: must contain {{prompt}} (got {self.template!r})")
         for key in ("max_prompt_len", "max_response_len", "difficulty", "max_operand", "train_size", "test_size"):
             if getattr(self, key) < 1:

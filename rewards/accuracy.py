@@ -1,6 +1,10 @@
-"""The accuracy reward for maths word problems (GSM8K, Cobbe et al. 2021, arXiv:2110.14168).
+"""The accuracy reward: 1.0 when a completion's final answer equals the reference's, checked the data's way.
 
-Rule: 1.0 if the completion's final numeric answer equals the reference's, else 0.0. The final answer is the number
+`data.answer_format` picks the check. `math` hands it to `posttrain.rewards.math_answer` (math-verify on `\\boxed{}`,
+LaTeX or plain answers, each check bounded in time; one that fails or runs out scores None: 0, and counted). `number`,
+for maths word problems (GSM8K, Cobbe et al. 2021, arXiv:2110.14168), is the rule below.
+
+Number rule: 1.0 if the completion's final numeric answer equals the reference's, else 0.0. The final answer is the number
 right after the last `####` marker (GSM8K's own format); a completion without a marker falls back to its last number.
 Numbers may carry a sign, a `$`, thousands commas and decimals, and are compared exactly (`fractions.Fraction`), so
 "18", "18.00" and "$18" all equal 18. Model output is only matched with a regex, never evaluated.
@@ -67,7 +71,27 @@ def is_correct(completion: str, reference: str) -> bool:
     return got is not None and Fraction(got) == Fraction(expected)
 
 
+def verdicts(completions: Sequence[str], answers: Sequence[str], answer_format: str = "number") -> list[bool | None]:
+    """Whether each completion's final answer equals its reference; None where a math check failed or timed out."""
+    if answer_format == "math":
+        from posttrain.rewards import math_answer
+
+        return math_answer.verdicts(completions, answers)
+    return [is_correct(c, a) for c, a in zip(completions, answers, strict=True)]
+
+
+def final_answers(completions: Sequence[str], answer_format: str = "number") -> list[str | None]:
+    """The final answer each completion gives, as a string equal for equal answers (what maj@k votes on), or None."""
+    if answer_format == "math":
+        from posttrain.rewards import math_answer
+
+        return math_answer.final_answers(completions)
+    return [extract_answer(c) for c in completions]
+
+
 @register("accuracy")
-def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] = ()) -> list[float]:
-    """1.0 per completion whose final answer equals its reference, else 0.0; the prompts are not needed."""
-    return [float(is_correct(c, a)) for c, a in zip(completions, answers, strict=True)]
+def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] = (), *,
+             answer_format: str = "number") -> list[float | None]:
+    """1.0 per completion whose final answer equals its reference, else 0.0 (None: the check failed); the prompts
+    are not needed."""
+    return [None if v is None else float(v) for v in verdicts(completions, answers, answer_format)]

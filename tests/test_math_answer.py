@@ -150,3 +150,41 @@ def test_pool_refuses_a_function_it_cannot_pickle(pool):
     with pytest.raises((AttributeError, TypeError)):
         pool.map(lambda x: x, [1], timeout_s=1.0)
 
+
+def test_judge_scores_and_counts_with_the_math_preset():
+    """`data.preset=math` routes the accuracy reward, the verdict and the vote through math-verify; a check that
+    raises scores 0 and is counted as reward/verify_errors."""
+    from posttrain.judge import Judge
+    from posttrain.schema import DataConfig
+
+    judge = Judge(DataConfig(preset="math", path="math.jsonl"), {"accuracy": 1.0})
+    rows = [{"problem": "Half of one?", "solution": r"It is $\boxed{\frac{1}{2}}$."}] * 3
+    completions = [r"So $\boxed{0.5}$.", r"\boxed{\frac{1}{3}}", "The answer is " + "1" * 5000]
+    total, stats = judge.score(rows, completions)
+    assert total.tolist() == [1.0, 0.0, 0.0]
+    assert stats["reward/verify_errors"] == 1.0 and stats["reward/accuracy"] == pytest.approx(1 / 3)
+    assert judge.correct(rows, completions) == [True, False, False]
+    assert judge.final_answers(completions[:2]) == ["1/2", "1/3"]
+    number = Judge(DataConfig(preset="gsm8k", path="g.jsonl"), {"accuracy": 1.0})  # the #### rule: no LaTeX
+    assert number.correct([{"question": "q", "answer": "#### 0.5"}], [r"\boxed{\frac{1}{2}}"]) == [False]
+
+
+def test_grpo_run_on_math_rows(warm_model_dir, tmp_path):
+    """The real CLI with `data.preset=math` on MATH-layout rows: the checker's workers run under it, and every
+    step logs reward/verify_errors."""
+    import json
+
+    from test_cli import posttrain
+
+    rows = [{"problem": f"What is {a} plus {b}?", "solution": f"We add: ${a}+{b}={a + b}$, so $\\boxed{{{a + b}}}$."}
+            for a in range(6) for b in range(4)]
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    proc = posttrain("run", "recipe=grpo_math", f"model.path={warm_model_dir}", "data.preset=math",
+                     f"data.path={path}", f"output_dir={out}", "train.steps=2", "train.batch_size=2",
+                     "algorithm.group_size=2", "rollout.max_new_tokens=8", "eval.num_problems=4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all("reward/verify_errors" in m for m in metrics)
+    assert "answer_format: math" in (out / "config.yaml").read_text()

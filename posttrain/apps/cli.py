@@ -76,6 +76,11 @@ def cmd_run(args) -> int:
     if "eval_before" in summary:
         print(f"held-out accuracy: {summary['eval_before']['accuracy']:.3f} -> {summary['eval_after']['accuracy']:.3f}"
               f" ({summary['eval_before']['num_problems']} problems, greedy)")
+        before, after = summary["eval_before"], summary["eval_after"]
+        if "k" in after:
+            k = after["k"]
+            print(f"held-out pass@{k}: {before[f'pass@{k}']:.3f} -> {after[f'pass@{k}']:.3f}, maj@{k}: "
+                  f"{before[f'maj@{k}']:.3f} -> {after[f'maj@{k}']:.3f} ({after['n']} samples per problem)")
     print(f"done in {summary['wall_seconds']:.1f}s; results in {summary['output_dir']}")
     return 0
 

@@ -18,6 +18,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     """Evaluates `model`, writes `output` (never over an existing file) and returns what it wrote."""
     from posttrain import config, judge, rollout
     from posttrain.backends.ddp import DDP
+    from posttrain.data import uses_chat
     from posttrain.models.loading import load, stop_token_ids
     from posttrain.schema import weights_dtype
     from posttrain.sources import run_splits
@@ -41,6 +42,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     rows = run_splits(cfg)[1][: e.num_problems]
     backend = DDP(precision=cfg.train.precision)
     policy, tokenizer = load(model, dtype=weights_dtype(cfg.train.precision, trained=True))
+    uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails before any work
     policy = backend.place(policy.eval().requires_grad_(False).to(backend.device))
     n = (e.n or e.k) if e.k else 0
     engine = rollout.get(sampling.engine).start(rollout.Setup(
@@ -48,11 +50,13 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
         stop_ids=stop_token_ids(policy, tokenizer), sampling=sampling, precision=cfg.train.precision, seed=cfg.seed,
         max_seqs=e.batch_size * max(n, 1)))
     with Progress(len(rows), enabled=not quiet, unit="problems") as bar, backend.autocast():
-        result = evaluate(engine, judge.build(cfg, backend.device, with_reward_model=False), tokenizer, rows, cfg.data,
+        the_judge = judge.build(cfg, backend.device, with_reward_model=False, tokenizer=tokenizer)
+        result = evaluate(engine, the_judge, tokenizer, rows, cfg.data,
                           max_new_tokens=e.max_new_tokens or sampling.max_new_tokens, batch_size=e.batch_size,
                           k=e.k, n=e.n, temperature=sampling.temperature, top_p=sampling.top_p, records=True,
                           progress=lambda done: bar.update({"step": done}))
     report = {"model": str(Path(model).resolve()), "rollout_engine": engine.name,
+              "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}
     report.pop("examples")
     tmp = out.with_name(f".{out.name}.tmp")

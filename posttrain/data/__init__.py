@@ -9,6 +9,8 @@ from posttrain.data.rows import (
     prompt_texts,
     read_rows,
     response_ids,
+    uses_chat,
 )
 
-__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows", "response_ids"]
+__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows",
+           "response_ids", "uses_chat"]

@@ -12,9 +12,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.errors import DataError
+from posttrain.core.errors import ConfigError, DataError
 from posttrain.data import embedded
-from posttrain.schema import DataConfig
+from posttrain.schema import PRESETS, DataConfig
 
 
 def read_rows(source: Any, key: str = "data.path") -> list[dict]:
@@ -75,11 +75,15 @@ def check_fields(rows: list[dict], fields: list[str], where: str) -> None:
 
 
 def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list[dict], list[dict]]:
-    """Training and held-out rows: the embedded task, or `path` (and `test_path`) with `fields` checked."""
-    if cfg.path is None:
+    """Training and held-out rows: the embedded task, or `path` (and `test_path`) with `fields` checked.
+
+    With only `test_path` (enough for `posttrain eval`) there are no training rows."""
+    if cfg.preset == "embedded":
         return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand)
-    train = read_rows(cfg.path, "data.path")
-    check_fields(train, fields, cfg.path)
+    train = []
+    if cfg.path is not None:
+        train = read_rows(cfg.path, "data.path")
+        check_fields(train, fields, cfg.path)
     if cfg.test_path is not None:
         test = read_rows(cfg.test_path, "data.test_path")
         check_fields(test, [cfg.prompt_field, cfg.answer_field], cfg.test_path)
@@ -91,21 +95,67 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list
     return train, test
 
 
-def prompt_texts(rows: list[dict], cfg: DataConfig) -> list[str]:
-    """Each row's question inside `cfg.template`."""
-    return [cfg.template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
+def uses_chat(tokenizer, cfg: DataConfig) -> bool:
+    """Whether prompts go through the tokenizer's chat template (`data.chat_template`: auto, true or false).
+
+    Raises:
+        ConfigError: chat_template is true and the tokenizer has none.
+    """
+    has = bool(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else False
+    if cfg.chat_template is True and not has:
+        raise ConfigError("data.chat_template: true, but the model's tokenizer has no chat template "
+                          "(set it to auto or false, or add chat_template to tokenizer_config.json)")
+    return has and cfg.chat_template is not False
+
+
+def _messages(row: dict, cfg: DataConfig) -> list[dict]:
+    template = cfg.template or PRESETS[cfg.preset]["chat"]
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return system + [{"role": "user", "content": template.replace("{prompt}", str(row[cfg.prompt_field]))}]
+
+
+def prompt_texts(rows: list[dict], cfg: DataConfig, tokenizer=None) -> list[str]:
+    """Each row's prompt as text: its question in the template, rendered by the chat template when one is used
+    (which needs `tokenizer`), else after the system prompt's line."""
+    if uses_chat(tokenizer, cfg):
+        return [tokenizer.apply_chat_template(_messages(r, cfg), tokenize=False, add_generation_prompt=True)
+                for r in rows]
+    template = cfg.template or PRESETS[cfg.preset]["raw"]
+    head = f"{cfg.system_prompt}\n" if cfg.system_prompt else ""
+    return [head + template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
 
 
 def prompt_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:
-    """Token ids of each row's prompt text, cut from the left to `max_prompt_len`."""
-    return [ids[-cfg.max_prompt_len :] for ids in tokenizer(prompt_texts(rows, cfg))["input_ids"]]
+    """Token ids of each row's prompt, cut from the left to `max_prompt_len`. A rendered chat template carries its
+    own special tokens (BOS among them), so none are added to it."""
+    texts = prompt_texts(rows, cfg, tokenizer)
+    encoded = tokenizer(texts, add_special_tokens=not uses_chat(tokenizer, cfg))["input_ids"]
+    return [ids[-cfg.max_prompt_len :] for ids in encoded]
 
 
 def response_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]]:
-    """Token ids of each row's target response, followed by EOS, cut to `max_response_len`."""
+    """Token ids of each row's target response, ending in the token that ends a turn, cut to `max_response_len`.
+
+    Without a chat template: the response's tokens and EOS. With one: what the template writes for the assistant's
+    turn after the prompt (its end-of-turn token included, the whitespace after it left out), so SFT teaches the
+    model to stop the way sampling stops; when the template's rendering does not extend the prompt's, the
+    response's tokens and EOS.
+    """
     texts = [str(r[cfg.response_field]) for r in rows]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [ids[: cfg.max_response_len - 1] + [tokenizer.eos_token_id] for ids in encoded]
+    plain = [ids + [tokenizer.eos_token_id] for ids in encoded]
+    if uses_chat(tokenizer, cfg):
+        specials = set(tokenizer.all_special_ids)
+        prompts = tokenizer(prompt_texts(rows, cfg, tokenizer), add_special_tokens=False)["input_ids"]
+        for i, (row, text) in enumerate(zip(rows, texts)):
+            whole = tokenizer.apply_chat_template(_messages(row, cfg) + [{"role": "assistant", "content": text}],
+                                                  tokenize=False)
+            ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+            turn = ids[len(prompts[i]) :] if ids[: len(prompts[i])] == prompts[i] else []
+            ends = [t for t, tok in enumerate(turn) if tok in specials]
+            if ends:
+                plain[i] = turn[: ends[0] + 1]
+    return [ids if len(ids) <= cfg.max_response_len else ids[: cfg.max_response_len - 1] + ids[-1:] for ids in plain]
 
 
 def completion_texts(tokenizer, batch) -> list[str]:
@@ -117,6 +167,8 @@ class RowSampler:
     """Endless, seeded, reshuffled-each-epoch draws of rows; each data-parallel rank gets its own shard."""
 
     def __init__(self, rows: list[dict], seed: int, rank: int = 0, world: int = 1):
+        if not rows:
+            raise DataError("data.path: no training rows (data.test_path alone is enough only for posttrain eval)")
         self.rows = rows[rank::world] or rows
         self.rng = random.Random(seed * 1009 + rank)
         self.order: list[int] = []

@@ -18,7 +18,8 @@ def pairs_from_file(path: str, a, tokenizer, data) -> tuple[list[dict], dict]:
     rows = read_rows(path, "algorithm.pairs_path")
     check_fields(rows, [a.prompt_field, a.chosen_field, a.rejected_field], path)
     prompts = prompt_ids(tokenizer, [{data.prompt_field: r[a.prompt_field]} for r in rows], data)
-    responses = {f: response_ids(tokenizer, [{data.response_field: r[f]} for r in rows], data)
+    responses = {f: response_ids(tokenizer, [{data.prompt_field: r[a.prompt_field], data.response_field: r[f]}
+                                             for r in rows], data)
                  for f in (a.chosen_field, a.rejected_field)}
     pairs = [{"prompt_ids": p, "responses": [c, r]}
              for p, c, r in zip(prompts, responses[a.chosen_field], responses[a.rejected_field])]

@@ -11,7 +11,7 @@ import torch
 
 from posttrain.core.batch import Batch, collate
 from posttrain.core.errors import DataError
-from posttrain.data import RowSampler, completion_texts, prompt_ids
+from posttrain.data import RowSampler, completion_texts, prompt_ids, prompt_texts
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RolloutConfig
@@ -29,7 +29,8 @@ def starting_samples(rows: list[dict], k: int, *, tokenizer, data: DataConfig, r
     model_files = sorted(Path(model_path).glob("*.safetensors")) + [Path(model_path) / "config.json"]
     key = json.dumps({"model": [str(p.resolve()) + str(p.stat().st_mtime_ns) for p in model_files], "k": k,
                       "rows": [[r[data.prompt_field], r[data.answer_field]] for r in rows],
-                      "rollout": vars(sampling), "template": data.template, "seed": seed})
+                      "rollout": vars(sampling), "prompt": prompt_texts(rows[:1], data, tokenizer),
+                      "answer_format": data.answer_format, "seed": seed})
     path = cache_dir / f"samples-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
     if path.is_file():
         return [json.loads(line) for line in path.read_text().splitlines()]

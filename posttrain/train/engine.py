@@ -24,7 +24,7 @@ from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
-from posttrain.data import RowSampler
+from posttrain.data import RowSampler, uses_chat
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
@@ -63,7 +63,9 @@ class Engine:
         adapters = cfg.model.lora
         if adapters.r:
             policy = lora.apply(policy, adapters, model_path)
-        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze)
+        uses_chat(self.tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
+        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze,
+                                 tokenizer=self.tokenizer)
         # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
         self.ref, self.ref_is_base = None, False
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it

@@ -75,8 +75,9 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
             if n:
                 mine = samples[i * n : (i + 1) * n]
                 right = judge.correct([row] * n, mine)
-                voted = majority(judge.final_answers(mine[:k]))
-                voted_right = voted is not None and judge.correct([row], [voted])[0]
+                finals = judge.final_answers(mine[:k])
+                voted = majority(finals)  # right when the samples that gave it are (the first one is judged)
+                voted_right = voted is not None and right[finals.index(voted)]
                 sums[3:] += torch.tensor([pass_at_k(n, sum(right), k), float(voted_right)], dtype=torch.float64)
                 record.update(samples=[{"completion": t, "correct": c} for t, c in zip(mine, right)],
                               correct_samples=sum(right), majority_answer=voted, majority_correct=voted_right)
