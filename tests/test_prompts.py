@@ -106,6 +106,8 @@ def test_sft_gsm8k_recipe_on_a_chat_checkpoint(tmp_path, chat_tokenizer):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["chat_template"] is True and report["answer_format"] == "number" and len(report["records"]) == 3
+    assert report["prompt_example"].startswith("<|im_start|>user\n") and report["prompt_example"].endswith(
+        "<|im_start|>assistant\n")
 
 
 def test_sft_gsm8k_needs_a_model():

@@ -18,7 +18,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     """Evaluates `model`, writes `output` (never over an existing file) and returns what it wrote."""
     from posttrain import config, judge, rollout
     from posttrain.backends.ddp import DDP
-    from posttrain.data import uses_chat
+    from posttrain.data import prompt_texts, uses_chat
     from posttrain.models.loading import load, stop_token_ids
     from posttrain.schema import weights_dtype
     from posttrain.sources import run_splits
@@ -57,6 +57,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
                           progress=lambda done: bar.update({"step": done}))
     report = {"model": str(Path(model).resolve()), "rollout_engine": engine.name,
               "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
+              "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}
     report.pop("examples")
     tmp = out.with_name(f".{out.name}.tmp")
