@@ -15,24 +15,27 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from posttrain import algorithms, backends, rewards, rollout
 from posttrain.core.errors import ConfigError
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
     DataConfig,
     EvalConfig,
     ModelConfig,
     RewardModelConfig,
+    RewardsConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
     WarmupConfig,
     cache_root,
 )
+
+if TYPE_CHECKING:
+    from posttrain import algorithms
 
 
 def recipes_dir() -> Path:
@@ -148,22 +151,53 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if not isinstance(tree, dict):
         raise ConfigError(f"recipe {path}: expected a mapping of groups")
     algo_tree = dict(tree.get("algorithm") or {})
-    tree_wo_algo = {k: v for k, v in tree.items() if k != "algorithm"}
+    tree_wo_algo = {k: v for k, v in tree.items() if k not in ("algorithm", "rewards")}
     cfg = build(RunConfig, tree_wo_algo, "")
+    cfg.rewards = rewards_config(tree.get("rewards"))
     if "name" not in algo_tree:
         raise ConfigError("algorithm.name: missing; the recipe must name a method, e.g. algorithm.name=grpo")
+    from posttrain import algorithms  # the plugins, and torch: once the other groups are valid, a bad key answers fast
+
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
-    rewards.combine(cfg.rewards)  # unknown reward names and bad weights fail here, with the rest of the config
+    from posttrain import backends, rewards, rollout  # transformers, torch.distributed
+
+    rewards.combine(cfg.rewards)  # unknown names, bad weights, custom files that do not load: all fail here
     rollout.get(cfg.rollout.engine).check()  # an engine whose library is missing fails here, before any work
     backends.get(cfg.train.backend).check(cfg.train)  # unknown backend, unsupported offload, missing library
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
-    resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"]}
+    resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return cfg, resolved
+
+
+def rewards_config(values: Any) -> RewardsConfig:
+    """The `rewards` group from its flat form: reward names with weights beside the reserved keys (`custom`,
+    `timeout_s`). Like `algorithm`, it is built apart from the rest, as its reward names are not fields."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"rewards: expected a mapping of reward names to weights, got {values!r}")
+    group = {k: v for k, v in values.items() if k in RewardsConfig.RESERVED}
+    weights = {str(k): _coerce(v, float, f"rewards.{k}") for k, v in values.items() if k not in group}
+    custom = group.get("custom")
+    for entry, weight in custom.items() if isinstance(custom, dict) else ():
+        if isinstance(weight, dict):  # `rewards.custom.f.py:fn=1` splits at the dots into {f: {py:fn: 1}}
+            raise ConfigError(f"rewards.custom.{entry}: expected a weight, got {weight!r}; on the command line give "
+                              "the entry inside braces: 'rewards.custom={path/to/file.py:function: 1.0}'")
+    if weights or custom:  # a group naming no reward keeps the default, {accuracy: 1.0}
+        group["weights"] = weights
+    return build(RewardsConfig, group, "rewards")
+
+
+def rewards_tree(cfg: RewardsConfig) -> dict:
+    """The `rewards` group in its flat form, as a recipe writes it (config.yaml, `posttrain config`)."""
+    return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s}
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:
     """The plugin whose Config `cfg.algorithm` is."""
+    from posttrain import algorithms
+
     for plugin in algorithms.REGISTRY.values():
         if type(cfg.algorithm) is plugin.Config:
             return plugin

@@ -8,7 +8,9 @@ incorrect one) and held-out evaluation all ask it, so "reward" and "correct" mea
 - `correct` is the task's verdict: the accuracy rule on the row's reference answer. Evaluation reports it, and RFT
   and DPO filter on it, whatever rewards the run trains with.
 
-Reward functions see the completion, the reference answer and the prompt text of each sample.
+Reward functions see the completion, the reference answer and the prompt text of each sample. Each call runs in a
+worker process, one completion at a time, within `rewards.timeout_s` (`posttrain.rewards.base`): a reward that
+raises, hangs or gives nan costs that sample's score (0), and the step's metrics count it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from posttrain import rewards
 from posttrain.data import prompt_texts
 from posttrain.rewards.accuracy import final_answers, verdicts
-from posttrain.schema import DataConfig, RunConfig, weights_dtype
+from posttrain.schema import DataConfig, RewardsConfig, RunConfig, weights_dtype
 
 
 class Judge:
@@ -27,33 +29,34 @@ class Judge:
     Args:
         data: the field mapping (`answer_field`, `prompt_field`), how answers are checked (`answer_format`) and the
             prompt template.
-        weights: rule reward name -> weight (`rewards` in the config).
+        rules: the `rewards` group: rule rewards and custom functions with their weights, and the bound on a call.
         reward_model: a callable (prompts, completions) -> scores, or None.
         reward_model_weight: its weight in the total.
         tokenizer: the policy's; with a chat template, rewards see the prompt as the template rendered it.
     """
 
-    def __init__(self, data: DataConfig, weights: dict[str, float], reward_model=None,
+    def __init__(self, data: DataConfig, rules: RewardsConfig, reward_model=None,
                  reward_model_weight: float = 1.0, tokenizer=None):
         self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
         self.tokenizer = tokenizer
-        self.rules = rewards.combine(weights, answer_format=data.answer_format)
+        self.rules = rewards.combine(rules, answer_format=data.answer_format)
 
     def answers(self, rows: list[dict]) -> list[str]:
         return [str(r[self.data.answer_field]) for r in rows]
 
     def score(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """([B] total reward, stats) for completions of `rows`. The stats hold "reward", "reward/<name>" (the mean
-        of each part) and "reward/verify_errors" (checks that raised or ran out of time, each scored 0)."""
+        of each part, a missing score as 0) and four counts of missing scores, each scored 0: "reward/verify_errors"
+        (a reward could not score: the accuracy rule's math check raised), "reward/errors" (a call raised),
+        "reward/timeouts" (a call outlasted rewards.timeout_s) and "reward/nonfinite" (a call gave nan or inf)."""
         prompts = prompt_texts(rows, self.data, self.tokenizer)
-        total, parts = self.rules(completions, self.answers(rows), prompts)
-        errors = sum(s is None for scores in parts.values() for s in scores)
+        total, parts, counts = self.rules(completions, self.answers(rows), prompts)
         parts = {name: [s or 0.0 for s in scores] for name, scores in parts.items()}
         if self.reward_model is not None:
             parts["model"] = self.reward_model(prompts, completions)
             total = [t + self.reward_model_weight * m for t, m in zip(total, parts["model"])]
         stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()},
-                 "reward/verify_errors": float(errors)}
+                 **{f"reward/{k}": float(n) for k, n in counts.items()}}
         return torch.tensor(total), stats
 
     def correct(self, rows: list[dict], completions: list[str]) -> list[bool]:

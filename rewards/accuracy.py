@@ -95,3 +95,13 @@ def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequen
     """1.0 per completion whose final answer equals its reference, else 0.0 (None: the check failed); the prompts
     are not needed."""
     return [None if v is None else float(v) for v in verdicts(completions, answers, answer_format)]
+
+
+def _warm(answer_format: str = "number") -> None:
+    """Imports math-verify for the math format: a reward worker calls this as it starts, so that sympy's import (a
+    second or two) counts against no check's bound (`posttrain.rewards.base`)."""
+    if answer_format == "math":
+        from posttrain.rewards import math_answer  # noqa: F401
+
+
+accuracy.warm = _warm

@@ -15,7 +15,10 @@ The bound. Every check (one completion against its reference) runs in `POOL`, a
 `posttrain.core.bounded.BoundedPool` of worker processes, within `timeout_s` seconds of wall-clock time; past that
 its worker is killed and replaced. math-verify's own timeouts are turned off: they use SIGALRM, which works only in
 a main thread, counts whole seconds and waits for a long C call to return. Each worker parses a distinct reference
-once and keeps it (`_reference`).
+once and keeps it (`_reference`). The accuracy reward in training already runs in a worker (the judge runs every
+reward call in its own pool, `posttrain.rewards.base`); there the checks run in that worker, as a pool does not nest
+(`posttrain.core.bounded`, rule 7), and the reward call's bound, `rewards.timeout_s`, is theirs: a check that runs
+out of it scores 0 and counts as `reward/timeouts`.
 
 What counts as an error. A check that raises or runs out of time scores False and is counted: math-verify's
 parser failing on the text (a number of 5,000 digits exceeds Python's limit on reading digits as an int), sympy
@@ -79,7 +82,8 @@ def _final_answer(completion: str) -> str | None:
 
 def verdicts(completions: Sequence[str], references: Sequence[str], timeout_s: float = 5.0) -> list[bool | None]:
     """Whether each completion's final answer is equivalent to its reference's; None where the check raised or
-    timed out (the accuracy reward scores it 0 and the judge counts it as `reward/verify_errors`)."""
+    timed out (the accuracy reward scores it 0 and the judge counts it as `reward/verify_errors`, or a timeout in a
+    reward worker as `reward/timeouts`)."""
     if len(completions) != len(references):
         raise ValueError(f"{len(completions)} completions for {len(references)} references")
     return [bool(o.value) if o.ok else None for o in POOL.map(_check, zip(completions, references), timeout_s)]

@@ -155,9 +155,9 @@ def test_judge_scores_and_counts_with_the_math_preset():
     """`data.preset=math` routes the accuracy reward, the verdict and the vote through math-verify; a check that
     raises scores 0 and is counted as reward/verify_errors."""
     from posttrain.judge import Judge
-    from posttrain.schema import DataConfig
+    from posttrain.schema import DataConfig, RewardsConfig
 
-    judge = Judge(DataConfig(preset="math", path="math.jsonl"), {"accuracy": 1.0})
+    judge = Judge(DataConfig(preset="math", path="math.jsonl"), RewardsConfig({"accuracy": 1.0}))
     rows = [{"problem": "Half of one?", "solution": r"It is $\boxed{\frac{1}{2}}$."}] * 3
     completions = [r"So $\boxed{0.5}$.", r"\boxed{\frac{1}{3}}", "The answer is " + "1" * 5000]
     total, stats = judge.score(rows, completions)
@@ -165,7 +165,7 @@ def test_judge_scores_and_counts_with_the_math_preset():
     assert stats["reward/verify_errors"] == 1.0 and stats["reward/accuracy"] == pytest.approx(1 / 3)
     assert judge.correct(rows, completions) == [True, False, False]
     assert judge.final_answers(completions[:2]) == ["1/2", "1/3"]
-    number = Judge(DataConfig(preset="gsm8k", path="g.jsonl"), {"accuracy": 1.0})  # the #### rule: no LaTeX
+    number = Judge(DataConfig(preset="gsm8k", path="g.jsonl"), RewardsConfig())  # the #### rule: no LaTeX
     assert number.correct([{"question": "q", "answer": "#### 0.5"}], [r"\boxed{\frac{1}{2}}"]) == [False]
 
 

@@ -12,6 +12,7 @@ from posttrain import rewards
 from posttrain.core.errors import ConfigError, DataError
 from posttrain.rewards.accuracy import accuracy, extract_answer, is_correct
 from posttrain.rewards.format import format_reward
+from posttrain.schema import RewardsConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k" / "test_head.jsonl"
 ROWS = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()]
@@ -123,15 +124,16 @@ def test_combine_weighted_sum():
     "#### 7": acc 1, fmt 1 -> 1.0 + 0.5 = 1.5. "#### 7 apples": acc 1, fmt 0 -> 1.0.
     "#### 8": acc 0, fmt 1 -> 0.5. "seven": acc 0, fmt 0 -> 0.0.
     """
-    score = rewards.combine({"accuracy": 1.0, "format": 0.5})
-    total, parts = score(["#### 7", "#### 7 apples", "#### 8", "seven"], ["7"] * 4, ["Q: 3+4"] * 4)
+    score = rewards.combine(RewardsConfig({"accuracy": 1.0, "format": 0.5}))
+    total, parts, counts = score(["#### 7", "#### 7 apples", "#### 8", "seven"], ["7"] * 4, ["Q: 3+4"] * 4)
     assert total == [1.5, 1.0, 0.5, 0.0]
     assert parts == {"accuracy": [1.0, 1.0, 0.0, 0.0], "format": [1.0, 0.0, 1.0, 0.0]}
+    assert counts == {"verify_errors": 0, "errors": 0, "timeouts": 0, "nonfinite": 0}
 
 
 def test_combine_negative_weight_is_a_penalty():
     """Format weight -0.25 on "#### 8" (acc 0, fmt 1) with reference 7: 0 - 0.25 = -0.25."""
-    total, _ = rewards.combine({"accuracy": 1.0, "format": -0.25})(["#### 8"], ["7"], ["Q: 3+4"])
+    total, _, _ = rewards.combine(RewardsConfig({"accuracy": 1.0, "format": -0.25}))(["#### 8"], ["7"], ["Q: 3+4"])
     assert total == [-0.25]
 
 
@@ -149,7 +151,7 @@ def test_combine_negative_weight_is_a_penalty():
 )
 def test_combine_rejects_bad_weights(weights, message):
     with pytest.raises(ConfigError, match=message):
-        rewards.combine(weights)
+        rewards.combine(RewardsConfig(weights))
 
 
 def test_unknown_reward_suggests_nearest():
@@ -163,14 +165,15 @@ def test_registry_holds_builtins_and_rejects_duplicates():
     with pytest.raises(ValueError, match="registered twice"):
         rewards.register("accuracy")(lambda completions, answers, prompts: [0.0] * len(completions))
     try:
-        @rewards.register("length")
-        def length(completions, answers, prompts):
-            return [float(len(c)) for c in completions]
-
+        rewards.register("length")(length)  # a module-level function: the reward workers import it by name
         assert rewards.get("length") is length
-        assert rewards.combine({"length": 1.0})(["abc"], ["3"], ["Q: 1+2"])[0] == [3.0]
+        assert rewards.combine(RewardsConfig({"length": 1.0}))(["abc"], ["3"], ["Q: 1+2"]).total == [3.0]
     finally:
         rewards.REWARDS.pop("length", None)  # keep the new name out of other tests
+
+
+def length(completions, answers, prompts):
+    return [float(len(c)) for c in completions]
 
 
 def test_fixture_has_40_rows():

@@ -23,6 +23,10 @@ The contract of `BoundedPool.map(fn, items, timeout_s)`:
    ignore SIGINT (Ctrl-C is the parent's to handle) and stop when the parent's end of their pipe closes.
 6. One `map` runs at a time (a lock); `close()` stops the workers, and a later `map` starts new ones. Every pool is
    closed at interpreter exit.
+7. No pool inside a pool: `map` called in a worker (a reward run by one pool that checks answers with another) runs
+   its items there, one after another, each still giving an `Outcome`, and the bound is the enclosing item's. A
+   nested pool would start a fork server and workers inside each worker, and killing a worker at its bound would
+   leave its own worker running the hung check.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 LOAD_TIMEOUT_S = 60.0  # seconds a new worker may take to start and import `fn`'s module before `map` gives up
+_in_worker = False  # set by `_serve`: this process is a worker, so `map` runs items directly (rule 7)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class Outcome:
 
 def _serve(conn) -> None:
     """A worker's loop: load a function, then run it on one item per message until stopped or orphaned."""
+    global _in_worker
+    _in_worker = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fn = None
     while True:
@@ -77,7 +84,19 @@ def _serve(conn) -> None:
                 reply = fn(payload)
             conn.send((True, reply))
         except Exception as e:  # a return value that does not pickle fails in send and lands here too
-            conn.send((False, f"{type(e).__name__}: {e}"))
+            conn.send((False, _describe(e)))
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _direct(fn: Callable[[Any], Any], item: Any) -> Outcome:
+    """`fn(item)` in this process, as an `Outcome` (rule 7)."""
+    try:
+        return Outcome(value=fn(item))
+    except Exception as e:
+        return Outcome(error=_describe(e))
 
 
 class _Worker:
@@ -130,6 +149,8 @@ class BoundedPool:
         """
         items = list(items)
         blob = pickle.dumps(fn)  # fails here, in the caller, for a lambda or a nested function
+        if _in_worker:  # rule 7: the enclosing item's bound covers these
+            return [_direct(fn, item) for item in items]
         with self._lock:
             outcomes: list[Outcome | None] = [None] * len(items)
             try:

@@ -4,6 +4,9 @@ A role is a head on the same kind of checkpoint: the policy and the reference ar
 token-classification model with one output per position (by default the policy's own weights with a new scalar head),
 and the reward model a sequence-classification model with one output. Every error names the config key that pointed
 at the directory, so the CLI can print it as one line.
+
+Nothing in a checkpoint runs as code: weights load from safetensors only (a pickle, `pytorch_model.bin`, can run
+anything when unpickled) and `trust_remote_code=False` keeps a directory's own Python files (`auto_map`) unimported.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def load_tokenizer(path: str | Path, key: str):
     if not (path / "config.json").is_file():
         raise UserError(f"{key}: '{path}' is not a Hugging Face model directory (no config.json)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"{key}: cannot load the tokenizer of '{path}' ({str(err).splitlines()[0]})") from None
     if tokenizer.pad_token_id is None:
@@ -64,8 +67,13 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
         raise UserError(f"{key}: the model at '{path}' has a different tokenizer from the policy "
                         f"({len(tokenizer)} vs {len(same_vocab_as)} tokens); it cannot score the policy's tokens")
     auto, kwargs = HEADS[kind]
+    pickles = sorted(p.name for p in Path(path).glob("pytorch_model*.bin"))
+    if pickles and not any(Path(path).glob("*.safetensors")):
+        raise UserError(f"{key}: '{path}' holds its weights only as a pickle ({pickles[0]}), which could run code "
+                        "when loaded; posttrain reads safetensors only (convert it: save_pretrained writes them)")
     try:
-        model = getattr(transformers, auto).from_pretrained(Path(path), dtype=getattr(torch, dtype), **kwargs)
+        model = getattr(transformers, auto).from_pretrained(Path(path), dtype=getattr(torch, dtype),
+                                                            use_safetensors=True, trust_remote_code=False, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"{key}: cannot load '{path}' as a {kind.replace('_', ' ')} "
                         f"({str(err).splitlines()[0]})") from None

@@ -1,0 +1,87 @@
+"""Your own reward functions, loaded from a local Python file by path: `rewards.custom: {path/to/file.py:function: w}`.
+
+A custom reward is an ordinary reward function: lists `(completions, answers, prompts)` in, one float (or None: could
+not score) per completion out, and a keyword `answer_format` when it declares one. The file is imported once when the
+config is loaded, to check the entry, and once in each reward worker (`posttrain.rewards.base`), which calls the
+function on one completion at a time. The file is your code, trusted as the recipe is; completions reach it as data.
+Its directory is not put on `sys.path`, so it imports installed packages, not modules beside it.
+
+In metrics it is `reward/<file stem>.<function>`, e.g. `reward/my_rewards.brevity`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from posttrain.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FileFunction:
+    """The function `name` of the Python file at `path` (absolute). It pickles as these two strings, so it reaches a
+    worker as a reference, and each process imports the file once, on first use."""
+
+    path: str
+    name: str
+
+    @property
+    def label(self) -> str:
+        """Its name in metrics: the file's stem and the function's name."""
+        return f"{Path(self.path).stem}.{self.name}"
+
+    def function(self):
+        return getattr(_module(self.path), self.name)
+
+    def warm(self, **context) -> None:
+        """Imports the file (a reward worker calls this as it starts, outside the bound on each call)."""
+        self.function()
+
+    def __call__(self, *args, **kwargs):
+        return self.function()(*args, **kwargs)
+
+
+@cache
+def _module(path: str) -> ModuleType:
+    """The file at `path` imported as a module of its own name (a failed import is not cached)."""
+    name = f"posttrain_custom_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"not a Python source file: {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle find a module's classes through sys.modules
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load(entry: str) -> FileFunction:
+    """The function that `entry` ("path/to/file.py:function") names, its file imported now to check it.
+
+    Raises:
+        ConfigError: naming `rewards.custom.<entry>`, when the entry is not `path:function`, the file is missing or
+            fails to import, or it has no function of that name.
+    """
+    key = f"rewards.custom.{entry}"
+    path, colon, name = str(entry).rpartition(":")
+    if not colon or not path or not name.isidentifier():
+        raise ConfigError(f"{key}: expected path/to/file.py:function")
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ConfigError(f"{key}: no such file '{file}'")
+    try:
+        module = _module(str(file))
+    except (Exception, SystemExit) as err:
+        why = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{key}: importing '{file}' failed ({type(err).__name__}: {why})") from None
+    if not callable(getattr(module, name, None)):
+        raise ConfigError(f"{key}: '{file}' defines no function {name!r}")
+    return FileFunction(str(file), name)
