@@ -1,5 +1,6 @@
 """The real command line, end to end: outputs, the warm-up cache, the real-data path, and one-line errors."""
 
+import io
 import json
 import os
 import subprocess
@@ -7,7 +8,10 @@ import sys
 
 import pytest
 from conftest import FIXTURES
+from rich.console import Console
 from transformers import AutoModelForCausalLM
+
+from posttrain.train.tracking import Progress
 
 FAST = ["eval.num_problems=6", "eval.batch_size=6", "train.batch_size=2", "algorithm.group_size=2",
         "rollout.max_new_tokens=6", "data.train_size=100", "data.test_size=20"]
@@ -33,6 +37,41 @@ def test_recipes_and_help():
         assert posttrain(*args).returncode == 0
 
 
+LIGHT = """
+import sys
+from posttrain.apps import cli
+assert cli.main(["recipes"]) == 0
+assert cli.main(["config", "recipe=grpo_math", "train.stpes=1"]) == 2
+assert cli.main(["run", "grpo_math"]) == 2
+heavy = ("transformers", "torch", "posttrain.algorithms", "posttrain.backends", "posttrain.rollout",
+         "posttrain.sources")
+print(sorted(m for m in sys.modules if m.startswith(heavy)))
+"""
+
+
+def test_listing_and_bad_input_load_no_plugin():
+    """`posttrain recipes`, a bad key outside `algorithm` and a missing recipe= answer without loading the plugins
+    and their libraries (torch, transformers), which take seconds before the answer appears."""
+    proc = subprocess.run([sys.executable, "-c", LIGHT], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_progress_line_keeps_its_times_whole_at_80_columns(monkeypatch):
+    """At 80 columns there is no room for the bar, and the figures give way (cut with an ellipsis), never the step
+    count or the elapsed and remaining times, which rich otherwise cuts like every other column."""
+    monkeypatch.setenv("COLUMNS", "80")
+    progress = Progress(1000, unit="problems")
+    progress.bar.add_task("train", total=1000, completed=570, info="reward -0.125  kl 0.0012  loss -12.0023  12345 tok/s")
+    [task] = progress.bar.tasks
+    task.start_time -= 500  # 0:08:20 elapsed
+    console = Console(file=io.StringIO(), width=80, record=True)
+    console.print(progress.bar.get_renderable())
+    line = console.export_text().rstrip("\n")
+    assert len(line) <= 80 and line.startswith("problems  570/1000 reward -0.125 "), line
+    assert line.endswith("… 0:08:20 < -:--:--"), line
+
+
 def test_run_writes_outputs_then_refuses_to_overwrite(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     proc = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=2",
@@ -48,6 +87,10 @@ def test_run_writes_outputs_then_refuses_to_overwrite(tiny_model_dir, tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "model")  # the final model is an ordinary HF directory
     assert (out / "model" / "model.safetensors").exists()
     assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
+    for folder in (out / "model", out / "checkpoints" / "step_2"):  # the weights as readable as the rest
+        mode = (folder / "config.json").stat().st_mode
+        files = [f for f in folder.iterdir() if f.is_file()]
+        assert {f.name: oct(f.stat().st_mode) for f in files} == {f.name: oct(mode) for f in files}
     assert not (out.parent / "run.partial").exists()
 
     again = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", *FAST)
@@ -92,6 +135,7 @@ def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):
     (["recipe=grpo_math", "data.path=missing.jsonl"], ["data.path: no such file or directory 'missing.jsonl'"]),
     (["recipe=grpo_math", "model.path=nowhere"], ["model.path: 'nowhere' is not a Hugging Face model directory"]),
     ([], ["recipe"]),
+    (["grpo_math"], ["recipe: got 'grpo_math', which is not key=value; did you mean recipe=grpo_math?"]),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, fragments):
     assert_one_line_error(posttrain("run", *args, f"output_dir={tmp_path / 'x'}", "warmup.steps=1", cwd=tmp_path),
@@ -107,7 +151,7 @@ def test_empty_data_and_missing_field(tmp_path, tiny_model_dir):
     rows.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2+2"}) + "\n")
     assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={rows}",
                                     f"data.test_path={rows}", f"output_dir={tmp_path / 'o'}"),
-                          "row 2 has no field 'answer'")
+                          f"data.path: '{rows}' row 2 has no field 'answer'")
 
 
 ARENAS = """

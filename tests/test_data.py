@@ -1,6 +1,7 @@
 """Offline data sources: files, datasets, the GSM8K fixture, and their errors."""
 
 import json
+import re
 
 import datasets
 import pytest
@@ -24,7 +25,7 @@ def test_jsonl_parquet_dataset_dir_and_in_memory(tmp_path, gsm8k_rows):
 
 def test_gsm8k_fixture(gsm8k_rows):
     assert len(gsm8k_rows) == 40
-    check_fields(gsm8k_rows, ["question", "answer"], "gsm8k")
+    check_fields(gsm8k_rows, ["question", "answer"], "data.path", "gsm8k")
 
 
 @pytest.mark.parametrize("content, message", [
@@ -45,10 +46,15 @@ def test_missing_file():
 
 
 def test_row_missing_field_is_named(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1", "answer": "2"}, {"question": "2+2"}]))
-    with pytest.raises(DataError, match="row 2 has no field 'answer'"):
-        load_splits(DataConfig(path=str(path), test_path=str(path)), ["question", "answer"], 1)
+    """Like every other data error, the message starts with the config key, then names the file and the row."""
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps({"question": "1+1", "answer": "2"}))
+    bad.write_text("\n".join(json.dumps(r) for r in [{"question": "1+1", "answer": "2"}, {"question": "2+2"}]))
+    message = f"data.path: '{bad}' row 2 has no field 'answer' (fields: question)"
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_splits(DataConfig(path=str(bad), test_path=str(good)), ["question", "answer"], 1)
+    with pytest.raises(DataError, match=re.escape(f"data.test_path: '{bad}' row 2 has no field 'answer'")):
+        load_splits(DataConfig(path=str(good), test_path=str(bad)), ["question", "answer"], 1)
 
 
 def test_held_out_tail(tmp_path, gsm8k_rows):

@@ -54,7 +54,7 @@ def test_bad_preference_file(warm_model_dir, tmp_path):
     pairs.write_text(json.dumps({"prompt": "1+1", "chosen": "2"}) + "\n")
     assert_one_line_error(posttrain("run", "recipe=dpo_math", f"model.path={warm_model_dir}",
                                     f"algorithm.pairs_path={pairs}", f"output_dir={tmp_path / 'o'}", *TINY),
-                          "row 1 has no field 'rejected'")
+                          f"algorithm.pairs_path: '{pairs}' row 1 has no field 'rejected'")
 
 
 def test_dpo_without_a_reference(warm_model_dir, tmp_path):

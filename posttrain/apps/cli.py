@@ -25,8 +25,12 @@ EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.ste
 
 def _split_recipe(items: list[str]) -> tuple[str, list[str]]:
     recipes = [i.split("=", 1)[1] for i in items if i.startswith("recipe=")]
+    stray = [i for i in items if "=" not in i]
+    if not recipes and stray:  # `posttrain run grpo_math`: the recipe without its key
+        raise UserError(f"recipe: got {stray[0]!r}, which is not key=value; did you mean recipe={stray[0]}?")
     if len(recipes) != 1:
-        raise UserError("recipe: give exactly one recipe=NAME_OR_PATH (see `posttrain recipes`)")
+        given = f" (got {len(recipes)}: {', '.join(recipes)})" if recipes else ""
+        raise UserError(f"recipe: give exactly one recipe=NAME_OR_PATH{given} (see `posttrain recipes`)")
     return recipes[0], [i for i in items if not i.startswith("recipe=")]
 
 
@@ -43,9 +47,10 @@ def cmd_recipes(args) -> int:
 def cmd_config(args) -> int:
     import yaml
 
+    recipe, overrides = _split_recipe(args.overrides)
     from posttrain import config
 
-    _, resolved = config.load(*_split_recipe(args.overrides))
+    _, resolved = config.load(recipe, overrides)
     print(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True, width=1000), end="")
     return 0
 
@@ -58,7 +63,7 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
     from posttrain.train import run
     from posttrain.train.rundir import RunDir
 
-    RunDir(cfg.output_dir, cfg.overwrite)
+    RunDir(cfg.output_dir, cfg.overwrite, cfg.resume)
     splits, summary = run_splits(cfg), {}
     model_path = cfg.model.path
     if model_path is None:
@@ -67,9 +72,10 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
 
 
 def cmd_run(args) -> int:
+    recipe, overrides = _split_recipe(args.overrides)
     from posttrain import config
 
-    cfg, resolved = config.load(*_split_recipe(args.overrides))
+    cfg, resolved = config.load(recipe, overrides)
     summary = train(cfg, resolved, quiet=args.quiet)
     if summary is None:  # not the main process: it prints nothing
         return 0
@@ -158,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything posttrain loads is local
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # transformers stays quiet (no progress bars, errors only) through its environment, read when it is first
+    # imported: importing it here would cost every command a second, `posttrain recipes` and bad input too.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
         code = args.func(args)
     except UserError as err:
         print(f"posttrain: error: {err}", file=sys.stderr)
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         code = 130
-    if "torch" in sys.modules:  # one of several processes: leave without the interpreter's teardown
+    if "posttrain.backends" in sys.modules:  # one of several processes: leave without the interpreter's teardown
         from posttrain.backends.ddp import exit_process
 
         exit_process(code)

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 
 from posttrain import algorithms
 from posttrain.core.errors import ConfigError, UserError
-from posttrain.sources import SOURCES
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -356,6 +355,8 @@ def method_profile(method: str, group: int, beta: float):
             cfg = dataclasses.replace(cfg, group_size=group)
         except ConfigError as err:
             raise UserError(f"G={group}: {method}: {err}") from None
+    from posttrain.sources import SOURCES  # (transformers): only once the settings are valid
+
     online = SOURCES.find(plugin.source).on_policy  # samples the policy every step: a rollout KV cache
     return plugin, plugin.needs(cfg), online, plugin.samples_per_prompt(cfg) * plugin.unit
 

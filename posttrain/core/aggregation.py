@@ -15,8 +15,10 @@ passes them in. Sequences whose mask is all zero (filtered out) do not count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: posttrain.schema imports MODES, and listing recipes loads no torch
+    import torch
 
 MODES = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm")
 

@@ -65,13 +65,14 @@ def _read_jsonl(path: Path, key: str) -> list[dict]:
     return rows
 
 
-def check_fields(rows: list[dict], fields: list[str], where: str) -> None:
-    """Every row has every field as a non-empty string (or number); otherwise a DataError naming the row."""
+def check_fields(rows: list[dict], fields: list[str], key: str, source: Any) -> None:
+    """Every row has every field as a non-empty string (or number); otherwise a DataError naming the config `key`,
+    the file (`source`) and the row."""
     for n, row in enumerate(rows, 1):
         for name in fields:
             value = row.get(name)
             if value is None or (isinstance(value, str) and not value.strip()):
-                raise DataError(f"{where}: row {n} has no field '{name}' (fields: {', '.join(row) or 'none'})")
+                raise DataError(f"{key}: '{source}' row {n} has no field '{name}' (fields: {', '.join(row) or 'none'})")
 
 
 def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list[dict], list[dict]]:
@@ -83,10 +84,10 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list
     train = []
     if cfg.path is not None:
         train = read_rows(cfg.path, "data.path")
-        check_fields(train, fields, cfg.path)
+        check_fields(train, fields, "data.path", cfg.path)
     if cfg.test_path is not None:
         test = read_rows(cfg.test_path, "data.test_path")
-        check_fields(test, [cfg.prompt_field, cfg.answer_field], cfg.test_path)
+        check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.test_path", cfg.test_path)
     else:  # hold out the tail, so evaluation never sees a training row
         if len(train) <= num_test:
             raise DataError(f"data.path: '{cfg.path}' has {len(train)} rows, too few to hold out {num_test} "
@@ -172,6 +173,14 @@ class RowSampler:
         self.rows = rows[rank::world] or rows
         self.rng = random.Random(seed * 1009 + rank)
         self.order: list[int] = []
+
+    def state_dict(self) -> dict:
+        """The generator's state and what is left of this epoch's order: enough to draw the same rows next."""
+        return {"rng": self.rng.getstate(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])
 
     def next(self, n: int) -> list[dict]:
         out = []

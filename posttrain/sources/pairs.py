@@ -16,7 +16,7 @@ from posttrain.sources.samples import starting_samples_of
 def pairs_from_file(path: str, a, tokenizer, data) -> tuple[list[dict], dict]:
     """Pairs from a preference file with `a.prompt_field`, `a.chosen_field` and `a.rejected_field` on every row."""
     rows = read_rows(path, "algorithm.pairs_path")
-    check_fields(rows, [a.prompt_field, a.chosen_field, a.rejected_field], path)
+    check_fields(rows, [a.prompt_field, a.chosen_field, a.rejected_field], "algorithm.pairs_path", path)
     prompts = prompt_ids(tokenizer, [{data.prompt_field: r[a.prompt_field]} for r in rows], data)
     responses = {f: response_ids(tokenizer, [{data.prompt_field: r[a.prompt_field], data.response_field: r[f]}
                                              for r in rows], data)

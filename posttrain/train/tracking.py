@@ -9,10 +9,29 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.progress import Progress as RichProgress
+from rich.table import Column
+from rich.text import Text
 
 FIELDS = (("reward", "reward {:.3f}"), ("kl", "kl {:.4f}"), ("loss", "loss {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"))
+FIGURES_WIDTH = 80  # about what a line takes without its bar: the unit, the step count, the figures and the times
+BAR_WIDTH = 40
+
+
+class Figures(ProgressColumn):
+    """The latest figures. On a narrow terminal this is the column that gives way, cut with an ellipsis rather than
+    wrapped, so that the step count and the times beside it are always shown whole."""
+
+    def render(self, task) -> Text:
+        return Text(task.fields["info"], no_wrap=True, overflow="ellipsis")
 
 
 class Progress:
@@ -22,8 +41,12 @@ class Progress:
         self.total, self.enabled, self.unit = total, enabled, unit
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
-        self.bar = RichProgress(TextColumn(unit), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                                TimeElapsedColumn(), TextColumn("<"), TimeRemainingColumn(), console=self.console)
+        whole = Column(no_wrap=True)  # never cut (rich narrows every wrappable column of a line that is too long)
+        room = self.console.width - FIGURES_WIDTH  # a bar only where the figures leave it room
+        bar = [BarColumn(min(room, BAR_WIDTH), table_column=whole)] if room >= 10 else []
+        self.bar = RichProgress(TextColumn(unit, table_column=whole), MofNCompleteColumn(table_column=whole), *bar,
+                                Figures(), TimeElapsedColumn(table_column=whole), TextColumn("<", table_column=whole),
+                                TimeRemainingColumn(table_column=whole), console=self.console)
         self.task = None
 
     def __enter__(self) -> Progress:
@@ -53,16 +76,17 @@ class Tracker:
         path: metrics.jsonl, or None on processes that do not track.
         total: steps of the run.
         show: whether to show progress (off with --quiet).
+        append: add to the lines `path` holds (a resumed run) rather than start it afresh.
     """
 
-    def __init__(self, path: Path | None, total: int, show: bool):
-        self.path = path
+    def __init__(self, path: Path | None, total: int, show: bool, append: bool = False):
+        self.path, self.append = path, append
         self.progress = Progress(total, enabled=path is not None and show)
         self.file = None
 
     def __enter__(self) -> Tracker:
         if self.path is not None:
-            self.file = open(self.path, "w")
+            self.file = open(self.path, "a" if self.append else "w")  # a resumed run adds to its lines
         self.progress.__enter__()
         return self
 
