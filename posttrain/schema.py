@@ -225,7 +225,13 @@ class TrainConfig:
     loss_agg_norm: float | None = None
     """Constant L of seq_mean_token_sum_norm (Dr. GRPO); null: rollout.max_new_tokens."""
     save_every: int = 0
-    """Write a checkpoint every N steps under output_dir/checkpoints; 0: only the final model."""
+    """Write a checkpoint every N steps under output_dir/checkpoints (the model and, under ddp, the training state a
+    run resumes from: optimizer, schedule, random generators, data position); 0: only the final model."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints; 0: keep them all."""
+    max_skipped_steps: int = 10
+    """A step whose loss or gradient norm is not finite is skipped (weights and AdamW state unchanged; counted as
+    skipped_steps); after this many in a row the run writes a checkpoint and stops with an error; 0: never stops."""
     backend: str = "ddp"
     """How training is distributed (`posttrain.backends`): ddp (every process holds the whole model; data parallel
     under torchrun) or fsdp2 (each of N processes holds 1/N of every weight, gradient and AdamW state)."""
@@ -247,7 +253,8 @@ class TrainConfig:
                 raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0 (got {self.lr})")
-        for key in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every"):
+        for key in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every", "keep_checkpoints",
+                    "max_skipped_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be ≥ 0 (got {getattr(self, key)})")
         if self.loss_agg_norm is not None and self.loss_agg_norm <= 0:
@@ -294,6 +301,28 @@ class RewardModelConfig:
 
 
 @dataclass
+class RewardsConfig:
+    """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside two
+    reserved keys, e.g. `{accuracy: 1.0, format: 0.1, custom: {my_rewards.py:brevity: 0.5}, timeout_s: 10}`."""
+
+    RESERVED = ("custom", "timeout_s")  # the keys of the group that are not reward names
+
+    weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
+    """Registered rule rewards (rewards/) and their weights, written straight in the group: {accuracy: 1.0,
+    format: 0.1}. A group that names no reward at all, here or in `custom`, gets {accuracy: 1.0}."""
+    custom: dict[str, float] = field(default_factory=dict)
+    """Your own reward functions, `path/to/file.py:function` -> weight; a relative path is read from the current
+    directory. On the command line: 'rewards.custom={path/to/file.py:function: 0.5}'."""
+    timeout_s: float = 10.0
+    """Wall-clock bound in seconds on each reward call, one completion per call; past it the sample scores 0 and
+    counts in reward/timeouts."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
+
+
+@dataclass
 class RunConfig:
     description: str = ""
     """One line saying what the recipe does (shown by `posttrain recipes`)."""
@@ -301,6 +330,9 @@ class RunConfig:
     """Where config.yaml, metrics.jsonl, summary.json and the final model go."""
     overwrite: bool = False
     """Replace a non-empty output_dir (only once the new run has finished)."""
+    resume: bool | str = False
+    """Continue an interrupted run: true, from the newest complete checkpoint in `<output_dir>.partial`; a path, from
+    that checkpoints/step_N directory. The config must match the run's, but for train.steps, saving and eval."""
     seed: int = 0
     """Seed of the model init, sampling and data order; runs with the same seed repeat exactly on CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -311,8 +343,8 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    rewards: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
-    """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}; your own in `custom`; each call bounded."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 

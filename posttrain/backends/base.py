@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,7 +97,9 @@ class Backend:
         raise NotImplementedError
 
     def step(self, trained: Trained, max_grad_norm: float) -> torch.Tensor | None:
-        """Clips (when `max_grad_norm` > 0), steps the optimizer and schedule, clears gradients; returns the norm."""
+        """Clips (when `max_grad_norm` > 0), steps the optimizer and schedule, clears gradients; returns the global
+        gradient norm before clipping. A non-finite norm skips the optimizer and schedule steps (the gradients are
+        cleared all the same), on every process alike, since the norm is global; the engine counts it."""
         raise NotImplementedError
 
     def reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -143,6 +146,42 @@ class Backend:
     def optimizer_bytes(self, trained: Trained) -> int:
         """Bytes of optimizer state this process holds (AdamW's moments and step counters, any master copy)."""
         return optimizer_bytes(trained.optimizer)
+
+    skips_nonfinite: bool = True
+    """Whether `step` skips the optimizer step on a non-finite gradient norm (DeepSpeed steps inside its engine)."""
+
+    # -- training state, for checkpoints a run resumes from ------------------------------------------------------
+    resumable: bool = True
+    """Whether `training_state` and `load_training_state` work here (they do where every process holds the whole
+    model; sharded backends save only the model for now)."""
+
+    def training_state(self, trained: Trained) -> dict:
+        """What continuing to train `trained` needs, on the CPU: its trained parameters (every one whose
+        requires_grad is set, by name; the frozen base of a LoRA model is the start's), AdamW's state and the
+        schedule's. Every process calls it; each gets the same, since each holds the whole model."""
+        model = self.generation_model(trained)
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+        optimizer = _to_cpu(trained.optimizer.state_dict())
+        scheduler = trained.scheduler.state_dict() if trained.scheduler is not None else None
+        return {"parameters": params, "optimizer": optimizer, "scheduler": scheduler}
+
+    def load_training_state(self, trained: Trained, state: dict) -> None:
+        """Puts back what `training_state` returned, bit for bit.
+
+        Raises:
+            ValueError: the state names other parameters than the model trains (another model or LoRA setting).
+        """
+        model = self.generation_model(trained)
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if set(params) != set(state["parameters"]):
+            missing = sorted(set(params) ^ set(state["parameters"]))[:3]
+            raise ValueError(f"the checkpoint trains other parameters than this run ({', '.join(missing)}, ...)")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state["parameters"][name])
+        trained.optimizer.load_state_dict(state["optimizer"])
+        if trained.scheduler is not None and state["scheduler"] is not None:
+            trained.scheduler.load_state_dict(state["scheduler"])
 
     def save(self, trained: Trained, tokenizer, path: Path, merged: bool = False) -> None:
         """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
@@ -191,6 +230,17 @@ def write(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, path: P
     else:
         lora.save_adapter(model, path, state)
     tokenizer.save_pretrained(path)
+    honour_umask(path)
+
+
+def honour_umask(path: Path) -> None:
+    """Gives the weights the mode of every other file written (0666 less the umask). safetensors writes each file
+    under a temporary name created with mode 0600 and renames it, which leaves the weights readable by their owner
+    alone, unlike the config.json beside them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in Path(path).glob("*.safetensors"):
+        file.chmod(0o666 & ~umask)
 
 
 def save_plain(model: torch.nn.Module, path: Path, state: dict[str, torch.Tensor] | None) -> None:
@@ -218,3 +268,14 @@ BACKENDS = Registry("backend", "train.backend")  # name -> Backend subclass
 
 
 register, get = BACKENDS.register, BACKENDS.find
+
+
+def _to_cpu(value):
+    """`value` (a state dict: nested dicts, lists and tensors) with every tensor copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value

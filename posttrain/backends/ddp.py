@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -78,10 +79,11 @@ class DDP(Backend):
         self.acc.backward(loss * self.world_size)
 
     def step(self, trained, max_grad_norm):
-        norm = self.acc.clip_grad_norm_(trained.module.parameters(), max_grad_norm) if max_grad_norm > 0 else None
-        trained.optimizer.step()
-        if trained.scheduler is not None:
-            trained.scheduler.step()
+        norm = self.acc.clip_grad_norm_(trained.module.parameters(), max_grad_norm or math.inf)  # the global norm
+        if torch.isfinite(norm):
+            trained.optimizer.step()
+            if trained.scheduler is not None:
+                trained.scheduler.step()
         trained.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -20,6 +20,7 @@ same code with one process or many.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -47,6 +48,7 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 @register("fsdp2")
 class FSDP2(DDP):
     sharded = True
+    resumable = False  # sharded training state (torch.distributed.checkpoint) is not written yet
     offloads = ("none", "params")  # FSDP2 offloads weights, gradients and AdamW state together, never one alone
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
@@ -88,13 +90,12 @@ class FSDP2(DDP):
         (loss * self.world_size).backward()
 
     def step(self, trained, max_grad_norm):
-        norm = None
-        if max_grad_norm > 0:
-            params = [p for p in trained.module.parameters() if p.grad is not None]
-            norm = full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))  # the global norm, on every process
-        trained.optimizer.step()
-        if trained.scheduler is not None:
-            trained.scheduler.step()
+        params = [p for p in trained.module.parameters() if p.grad is not None]
+        norm = full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))  # global, on every process
+        if torch.isfinite(norm):
+            trained.optimizer.step()
+            if trained.scheduler is not None:
+                trained.scheduler.step()
         trained.optimizer.zero_grad(set_to_none=True)
         return norm
 

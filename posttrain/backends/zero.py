@@ -55,6 +55,8 @@ def _bytes(tensors) -> int:
 
 
 class ZeRO(DDP):
+    resumable = False  # DeepSpeed's partitioned optimizer state is not written to checkpoints yet
+    skips_nonfinite = False  # its engine steps before the norm is known here: a non-finite one stops the run
     stage = 0
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):

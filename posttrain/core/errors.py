@@ -11,3 +11,8 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file that is missing, unreadable, empty, or has a row without a needed field."""
+
+
+class TrainingError(UserError):
+    """A run that cannot go on as configured (steps whose loss or gradients are not finite, again and again); the
+    message says where it stopped and which checkpoint holds it."""

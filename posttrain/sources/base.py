@@ -63,6 +63,14 @@ class Source:
         """The step's batch (on the CPU) and metrics of its data."""
         raise NotImplementedError
 
+    def state_dict(self) -> dict:
+        """Where the source stands, for a checkpoint: the position of its draws. What it built at the start (RFT's
+        samples, DPO's pairs and reference log-probs) is built again, the same, when a resumed run starts."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
 
 SOURCES = Registry("data source", "algorithm.source")  # name -> Source subclass; a plugin's `source` names one
 register = SOURCES.register

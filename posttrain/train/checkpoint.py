@@ -1,27 +1,89 @@
-"""Checkpoints: the policy as an ordinary Hugging Face directory every `train.save_every` steps, and at the end.
+"""Checkpoints: every `train.save_every` steps, everything a run needs to continue bit for bit; the final model.
 
-Under LoRA the directory holds the adapter (loadable by transformers and peft, naming its base by path), and with
-`model.lora.merge` the base with the adapter merged in is also written to merged_model/.
+`checkpoints/step_N/` is an ordinary Hugging Face model directory (under LoRA, the adapter) with the training state
+beside the weights:
+
+- `training_state.pt`: the trained parameters exactly as trained (fp32 master weights, whatever the saved model's
+  dtype), and the AdamW and learning-rate schedule states, of the policy and the critic;
+- `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its data position;
+- `trainer_state.json`, written last: the step, the evaluations and wall time so far, the start model and the config.
+
+A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N` only once every file is in it, so a
+kill at any moment leaves the previous checkpoints and at most a temporary directory, never a torn `step_N`
+(a rename is atomic; a kill does not lose what was written to the page cache, so nothing is fsynced).
+`train.keep_checkpoints` bounds how many are kept, newest first.
+
+What is built at the start (the reference model, RFT's samples, DPO's pairs) is not saved: a resumed run builds it
+again from the same start model and seed, then puts the saved state back (`restore`). Sharded backends
+(`Backend.resumable` false) write the model only, which a run cannot resume from.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import re
+import shutil
+import signal
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from posttrain.core.errors import ConfigError
+
+TRAINING_STATE, RUN_STATE = "training_state.pt", "trainer_state.json"
+STEP_DIR = re.compile(r"step_(\d+)")
+# Keys a resumed run may change: how long it runs, how often it saves and evaluates; nothing that changes a step.
+MAY_CHANGE = ("description", "output_dir", "overwrite", "resume", "train.steps", "train.save_every",
+              "train.keep_checkpoints", "eval.", "warmup.cache_dir")
 
 
 class Checkpoints:
-    """Saves `engine`'s policy under `root`: checkpoints/step_N every `every` steps (0: never), model/ at the end
-    (and merged_model/ when a LoRA run asks for it).
+    """Writes `engine`'s checkpoints under `root`/checkpoints every `every` steps (0: never), keeping the newest
+    `keep` (0: all), and the final model to `root`/model (and merged_model/ when a LoRA run asks for it).
 
-    Every process calls it; the backend decides who writes (all processes take part when weights are sharded).
+    Every process calls it; the backend decides who writes the model (all take part when weights are sharded).
     """
 
-    def __init__(self, root: Path, every: int):
-        self.root, self.every = root, every
+    def __init__(self, root: Path, every: int, keep: int = 0):
+        self.root, self.every, self.keep = root, every, keep
 
-    def after_step(self, engine, step: int) -> None:
+    def after_step(self, engine, step: int, run_state: dict) -> None:
         if self.every and step % self.every == 0:
-            save_model(engine, self.root / "checkpoints" / f"step_{step}")
+            self.write(engine, step, run_state)
+
+    def write(self, engine, step: int, run_state: dict) -> Path:
+        """checkpoints/step_`step`, whole or not at all; `run_state` is what the loop needs back (JSON)."""
+        backend, parent = engine.backend, self.root / "checkpoints"
+        tmp, final = parent / f".step_{step}.tmp", parent / f"step_{step}"
+        if backend.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a write a kill interrupted
+            tmp.mkdir(parents=True)
+        backend.barrier()
+        save_model(engine, tmp)
+        crash_point("checkpoint", step)  # fault injection for the kill tests: a torn temporary directory
+        if backend.resumable:
+            state = engine.training_state()  # every process takes part; each holds the same
+            if backend.is_main:
+                torch.save(state, tmp / TRAINING_STATE)
+            torch.save({"rng": rng_state(), "source": engine.source.state_dict()}, tmp / f"process_{backend.rank}.pt")
+        backend.barrier()
+        if backend.is_main:
+            (tmp / RUN_STATE).write_text(json.dumps({"step": step, "world_size": backend.world_size,
+                                                     "resumable": backend.resumable, **run_state}, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a step_N a resumed run is about to write again
+            tmp.rename(final)
+            self.prune()
+        backend.barrier()
+        return final
+
+    def prune(self) -> None:
+        """Removes all but the newest `keep` complete checkpoints."""
+        if self.keep:
+            for old in complete(self.root / "checkpoints")[: -self.keep]:
+                shutil.rmtree(old)
 
     def final(self, engine) -> Path:
         save_model(engine, self.root / "model")
@@ -33,3 +95,102 @@ class Checkpoints:
 def save_model(engine, path: Path) -> None:
     """The policy as an ordinary Hugging Face directory (safetensors + tokenizer)."""
     engine.backend.save(engine.policy, engine.tokenizer, path)
+
+
+def complete(parent: Path) -> list[Path]:
+    """The complete checkpoints (`step_N` with its trainer_state.json) under `parent`, oldest first."""
+    found = [(int(m[1]), p) for p in parent.glob("step_*") if (m := STEP_DIR.fullmatch(p.name))
+             and (p / RUN_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find(resume: bool | str, staging: Path) -> Path:
+    """The checkpoint `resume` names: with true, the newest complete one of the unfinished run in `staging`.
+
+    Raises:
+        ConfigError: naming `resume`, when there is none, or the one named is incomplete or not resumable.
+    """
+    if resume is True:
+        found = complete(staging / "checkpoints")
+        if not found:
+            raise ConfigError(f"resume: no complete checkpoint in '{staging / 'checkpoints'}' to continue from "
+                              "(a run writes them every train.save_every steps)")
+        path = found[-1]
+    else:
+        path = Path(resume)
+        if not (path / RUN_STATE).is_file():
+            raise ConfigError(f"resume: '{path}' is not a complete checkpoint (no {RUN_STATE}); give a "
+                              "checkpoints/step_N directory")
+    if not json.loads((path / RUN_STATE).read_text()).get("resumable", False):
+        raise ConfigError(f"resume: '{path}' holds the model only (written under a sharded train.backend), "
+                          "not the training state a run continues from")
+    return path
+
+
+def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict:
+    """The run state of the checkpoint at `path` (step, evaluations, wall time), once it is known to continue this
+    run exactly.
+
+    Raises:
+        ConfigError: the checkpoint comes from another start model, config or process count.
+    """
+    run_state = json.loads((path / RUN_STATE).read_text())
+    if run_state["world_size"] != world_size:
+        raise ConfigError(f"resume: '{path}' was written by {run_state['world_size']} processes; this run has "
+                          f"{world_size} (each process's data position and generators are saved)")
+    if run_state["model_path"] != str(Path(model_path).resolve()):
+        raise ConfigError(f"resume: '{path}' continues a run that started from '{run_state['model_path']}', "
+                          f"not '{Path(model_path).resolve()}'")
+    changed = differences(run_state["config"], resolved)
+    if changed:
+        key, old, new = changed[0]
+        raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only how long it runs, "
+                          "how often it saves and its evaluation may change")
+    return run_state
+
+
+def restore(path: Path, engine) -> None:
+    """Puts the checkpoint at `path` back into `engine`: trained models, optimizers, schedules, data position and
+    random generators (`check` first)."""
+    backend = engine.backend
+    engine.load_training_state(torch.load(path / TRAINING_STATE, map_location="cpu", weights_only=False))
+    mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
+    engine.source.load_state_dict(mine["source"])
+    set_rng_state(mine["rng"])
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(key, old value, new value) of every key whose value differs, but for the keys of MAY_CHANGE."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        name = f"{prefix}{key}"
+        if any(name == m or (m.endswith(".") and name.startswith(m)) for m in MAY_CHANGE):
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{name}.")
+        elif a != b:
+            out.append((name, a, b))
+    return out
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def crash_point(name: str, step: int) -> None:
+    """Kills this process with SIGKILL when $POSTTRAIN_CRASH_AT is `name:step`: fault injection for the kill tests
+    and bench/kill_resume.py, so that a kill lands at an exact point (inside a checkpoint write, say)."""
+    if os.environ.get("POSTTRAIN_CRASH_AT") == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)

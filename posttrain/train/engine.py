@@ -22,6 +22,7 @@ from posttrain.backends import Backend
 from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
+from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
 from posttrain.data import RowSampler, uses_chat
@@ -121,6 +122,7 @@ class Engine:
         if self.source.scores_reference:
             self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
         self.roles, self.phases = RoleBytes(), PhasePeaks()
+        self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         rm = getattr(self.judge.reward_model, "model", None)
         for role, model in (("policy_weights", sampler), ("reference_weights", ref),
@@ -225,16 +227,29 @@ class Engine:
         return gc * weight, {**m, "mismatch/tis_capped": capped}
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
-        """One optimizer step (policy, and critic if any) on the gradient of the whole batch."""
+        """One optimizer step (policy, and critic if any) on the gradient of the whole batch.
+
+        A non-finite loss (on any process) or gradient norm skips the step: the gradients are dropped, the weights,
+        AdamW state and schedule stay as they were, and `self.skipped` says so."""
         metrics = self.accumulate(batch, totals)
         max_norm = self.cfg.train.max_grad_norm
+        finite = torch.isfinite(metrics["loss"]).float().to(self.backend.device)
+        self.skipped = not bool(self.backend.reduce(finite, "min"))  # every process decides alike
         for name, trained in (("policy", self.policy), ("critic", self.critic)):
             if trained is None:
                 continue
             self.roles.observe(f"{name}_gradients", self.backend.gradient_bytes(trained))
-            norm = self.backend.step(trained, max_norm)
+            if self.skipped:
+                trained.optimizer.zero_grad(set_to_none=True)
+                continue
+            norm = self.backend.step(trained, max_norm)  # itself skips a non-finite norm
             if norm is not None:
                 metrics["grad_norm" if name == "policy" else "critic_grad_norm"] = norm
+                if not torch.isfinite(norm) and not self.backend.skips_nonfinite:
+                    raise TrainingError(f"train.backend={self.backend.name}: the {name}'s gradient norm is {float(norm)}"
+                                        " and the optimizer has already stepped; lower train.lr or use ddp or fsdp2,"
+                                        " which skip such steps")
+                self.skipped |= not bool(torch.isfinite(norm))
             self.roles.observe(f"{name}_optimizer_state", self.backend.optimizer_bytes(trained))
         return metrics
 
@@ -275,10 +290,15 @@ class Engine:
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
         self.rollout.release()
+        skipped = 0
         with phases.phase("update"), large_allocations_mapped():
             for _ in range(self.plugin.epochs(self.cfg.algorithm)):
                 for minibatch in self.minibatches(batch):
                     updates.append(self.update(minibatch, self.totals(minibatch)))
+                    skipped += self.skipped
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        self.skipped_steps += bool(skipped)
+        stats.update(skipped_updates=float(skipped), skipped_steps=float(self.skipped_steps))
         t0 = time.perf_counter()
         self.rollout.restore()
         if not self.rollout.colocated:  # an engine holding its own copy of the weights is given the new ones
@@ -296,6 +316,18 @@ class Engine:
         trained = float(batch.mask.sum())
         return {**stats, **reduced, "trained_tokens": trained, "lr": self.policy.scheduler.get_last_lr()[0],
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
+
+    def training_state(self) -> dict:
+        """The trained models' parameters, AdamW and schedule states (the same on every process)."""
+        state = {"policy": self.backend.training_state(self.policy)}
+        if self.critic is not None:
+            state["critic"] = self.backend.training_state(self.critic)
+        return state
+
+    def load_training_state(self, state: dict) -> None:
+        self.backend.load_training_state(self.policy, state["policy"])
+        if self.critic is not None:
+            self.backend.load_training_state(self.critic, state["critic"])
 
     def evaluate(self) -> dict:
         e = self.cfg.eval

@@ -7,6 +7,8 @@ metrics.jsonl and the progress bar, the evaluation schedule, and the checkpoints
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,10 +17,11 @@ from accelerate.utils import set_seed
 
 from posttrain import backends
 from posttrain.config import algorithm_of
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, TrainingError
 from posttrain.core.heap import limit_malloc_arenas
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
+from posttrain.train import checkpoint as checkpoints
 from posttrain.train.checkpoint import Checkpoints
 from posttrain.train.engine import Engine
 from posttrain.train.evaluation import Schedule
@@ -42,11 +45,16 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     """
     t_start = time.perf_counter()
     limit_malloc_arenas()  # a no-op when already set; for runs started from Python rather than the CLI
-    run_dir = RunDir(cfg.output_dir, cfg.overwrite)  # refuse a non-empty output_dir before any work
+    run_dir = RunDir(cfg.output_dir, cfg.overwrite, cfg.resume)  # refuse a non-empty output_dir before any work
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
+    if cfg.resume and not backend.resumable:
+        raise ConfigError(f"resume: train.backend={cfg.train.backend} does not write the training state yet; "
+                          "runs under ddp resume")
+    checkpoint = checkpoints.find(cfg.resume, run_dir.path) if cfg.resume else None
+    state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
     summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size,
                "backend": backend.name}
@@ -56,33 +64,52 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     summary["rollout_engine"] = engine.rollout.name  # the engine that really started
     summary["weight_sync"] = engine.weight_sync  # none (colocated), full, or merged (LoRA)
     summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
-    out = run_dir.create() if main else run_dir.path
+    start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
+    if checkpoint is not None:
+        checkpoints.restore(checkpoint, engine)
+        start, elapsed = state["step"], state["wall_seconds"]
+        engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
+        summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
+    backend.barrier()
+    out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
     if main:
         import yaml
 
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
+        if checkpoint is not None:
+            keep_metrics_until(out / "metrics.jsonl", start)
         if not quiet:
-            print(f"posttrain: {summary['algorithm']} run writing to {out} (moved to {run_dir.final} when done)",
-                  file=sys.stderr)
+            what = f"resuming from step {start} of " if checkpoint is not None else ""
+            print(f"posttrain: {what}{summary['algorithm']} run writing to {out} (moved to {run_dir.final} when "
+                  "done)", file=sys.stderr)
     backend.barrier()
-    steps, schedule, checkpoints = cfg.train.steps, Schedule(cfg.eval, cfg.train.steps), Checkpoints(out,
-                                                                                                   cfg.train.save_every)
-    if schedule.on:
+    t = cfg.train
+    steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
+    if schedule.on and checkpoint is None:
         summary["eval_before"] = engine.evaluate()
-    with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet) as tracker:
-        for step in range(1, steps + 1):
+    with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, append=start > 0) as tracker:
+        for step in range(start + 1, steps + 1):
             metrics = {"step": step, **engine.step()}
             if schedule.in_loop(step):
                 summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
                 metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
-            metrics["wall_seconds"] = time.perf_counter() - t_start
+            metrics["wall_seconds"] = elapsed + time.perf_counter() - t_start
             tracker.log(metrics)
-            checkpoints.after_step(engine, step)
+            checkpoints.crash_point("step", step)  # fault injection: logged, not yet saved
+            run_state = {"wall_seconds": metrics["wall_seconds"], "model_path": str(Path(model_path).resolve()),
+                         "evaluations": {k: summary[k] for k in ("eval_before", "eval_after") if k in summary},
+                         "skipped": [engine.skipped_steps, engine.skipped_in_a_row], "config": resolved}
+            if t.max_skipped_steps and engine.skipped_in_a_row >= t.max_skipped_steps:
+                saved = saver.write(engine, step, run_state)
+                raise TrainingError(f"train.max_skipped_steps: {engine.skipped_in_a_row} steps in a row had a "
+                                    f"non-finite loss or gradient norm and were skipped; stopped at step {step} "
+                                    f"(checkpoint: {saved})")
+            saver.after_step(engine, step, run_state)
             backend.barrier()
     if schedule.after_loop:
         summary["eval_after"] = engine.evaluate()
-    checkpoints.final(engine)
-    summary.update(steps=steps, wall_seconds=time.perf_counter() - t_start, **engine.phases.run_peak(),
+    saver.final(engine)
+    summary.update(steps=steps, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
                    memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
                    output_dir=str(run_dir.final))
     if main:
@@ -90,3 +117,15 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         run_dir.commit()
     backend.barrier()
     return summary if main else None
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drops the lines of metrics.jsonl after `step` (logged after the checkpoint a run resumes from), so the
+    resumed run's lines follow without a gap or a repeat. Written whole, then renamed."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

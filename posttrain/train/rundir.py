@@ -11,10 +11,13 @@ from posttrain.core.errors import ConfigError
 
 
 class RunDir:
-    def __init__(self, output_dir: str | Path, overwrite: bool):
+    def __init__(self, output_dir: str | Path, overwrite: bool, resume: bool | str = False):
         self.final = Path(output_dir)
         if self.final.exists() and not self.final.is_dir():
             raise ConfigError(f"output_dir: '{self.final}' is a file, not a directory")
+        if resume and (self.final / "summary.json").is_file() and not overwrite:
+            raise ConfigError(f"resume: '{self.final}' holds a finished run; nothing to resume (overwrite=true "
+                              "replaces it with the resumed one)")
         if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
             raise ConfigError(f"output_dir: '{self.final}' is not empty; pass overwrite=true or another output_dir=…")
         self.path = self.final.with_name(self.final.name + ".partial")
@@ -24,6 +27,14 @@ class RunDir:
         if self.path.exists():
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
+        return self.path
+
+    def reopen(self) -> Path:
+        """The staging directory of an interrupted run, as it was (created if a resumed run starts a new one), without
+        the temporary directories of checkpoint writes that a kill interrupted."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for torn in (self.path / "checkpoints").glob(".step_*.tmp"):
+            shutil.rmtree(torn)
         return self.path
 
     def commit(self) -> Path:

@@ -1,0 +1,140 @@
+"""Resume: a run killed with SIGKILL (inside a checkpoint write, and between a step and its checkpoint) and resumed
+ends with the same bytes as a run never interrupted; checkpoints are whole or absent; a resume that cannot be exact
+is refused."""
+
+import json
+import os
+import signal
+
+import pytest
+from conftest import EASY
+from test_cli import assert_one_line_error, posttrain
+
+from posttrain.core.errors import ConfigError
+from posttrain.train import checkpoint
+
+RUN = ["recipe=grpo_math", "train.steps=4", "train.batch_size=2", "algorithm.group_size=2", "train.save_every=1",
+       "rollout.max_new_tokens=6", "eval.num_problems=2", *EASY]
+
+
+def run(model, out, *extra, crash=None):
+    env = {"POSTTRAIN_CRASH_AT": crash} if crash else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return posttrain("run", *RUN, f"model.path={model}", f"output_dir={out}", *extra, "-q")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_killed_twice_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path):
+    whole = run(tiny_model_dir, tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out, staging = tmp_path / "killed", tmp_path / "killed.partial"
+
+    killed = run(tiny_model_dir, out, crash="checkpoint:3")  # inside step 3's checkpoint write
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in checkpoint.complete(staging / "checkpoints")] == ["step_1", "step_2"]
+    assert (staging / "checkpoints" / ".step_3.tmp").is_dir()  # the torn write is there, and is not a checkpoint
+
+    killed = run(tiny_model_dir, out, "resume=true", crash="step:4")  # step 4 logged, its checkpoint not written
+    assert killed.returncode == -signal.SIGKILL
+    assert [m["step"] for m in metrics(staging / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    resumed = run(tiny_model_dir, out, "resume=true")  # from step 3: step 4's line is dropped, then written again
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (out / "model" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
+    drop = ("wall_seconds", "tokens_per_s", "time/")
+    same = [{k: v for k, v in m.items() if not k.startswith(drop)} for m in metrics(out / "metrics.jsonl")]
+    assert same == [{k: v for k, v in m.items() if not k.startswith(drop)}
+                    for m in metrics(tmp_path / "whole" / "metrics.jsonl")]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 3 and "eval_before" in summary
+
+
+def test_keep_checkpoints_and_refusals(tiny_model_dir, tmp_path):
+    from posttrain import config
+    from posttrain.train import run as train
+
+    out = tmp_path / "kept"
+    proc = run(tiny_model_dir, out, "train.keep_checkpoints=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [p.name for p in checkpoint.complete(out / "checkpoints")] == ["step_3", "step_4"]
+    assert (out / "checkpoints" / "step_4" / "config.json").is_file()  # still a model directory
+    assert_one_line_error(run(tiny_model_dir, out, "resume=true"), "resume:", "holds a finished run")
+    step = out / "checkpoints" / "step_3"
+    for extra, message in [
+        (["resume=true", f"output_dir={tmp_path / 'none'}"], "resume: no complete checkpoint"),
+        ([f"resume={step}", "train.lr=0.5", f"output_dir={tmp_path / 'a'}"],
+         "resume: train.lr was 0.0002 in the run being resumed, now 0.5"),
+        ([f"resume={tmp_path}", f"output_dir={tmp_path / 'b'}"], "is not a complete checkpoint"),
+        ([f"resume={step}", f"output_dir={tmp_path / 'c'}", "train.backend=fsdp2"], "train.backend=fsdp2 does not"),
+    ]:
+        cfg, resolved = config.load("grpo_math", [*RUN[1:], f"model.path={tiny_model_dir}", *extra])
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            train(cfg, resolved, quiet=True)
+
+
+def test_what_may_differ_on_resume():
+    old = {"train": {"steps": 4, "lr": 1.0}, "eval": {"k": 0}, "resume": False}
+    assert checkpoint.differences(old, {"train": {"steps": 9, "lr": 1.0}, "eval": {"k": 8}, "resume": True}) == []
+    assert checkpoint.differences(old, {**old, "train": {"steps": 4, "lr": 2.0}}) == [("train.lr", 1.0, 2.0)]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    """A NaN loss on one step leaves the weights and AdamW state as they were and is counted; a model that gives
+    NaN every step stops the run after train.max_skipped_steps, with a checkpoint to look at."""
+    import torch
+
+    from posttrain import config
+    from posttrain.core.errors import TrainingError
+    from posttrain.train import run as train
+    from posttrain.train.engine import Engine
+
+    calls = {"n": 0}
+    backward = Engine.accumulate
+
+    def poisoned(self, batch, totals):  # the second update's loss is NaN
+        calls["n"] += 1
+        metrics = backward(self, batch, totals)
+        if calls["n"] == 2:
+            for p in self.policy.module.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            metrics["loss"] = metrics["loss"] * float("nan")
+        return metrics
+
+    monkeypatch.setattr(Engine, "accumulate", poisoned)
+    cfg, resolved = config.load("grpo_math", [*RUN[1:], "train.steps=3", "train.save_every=0",
+                                              f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'one'}"])
+    train(cfg, resolved, quiet=True)
+    steps = metrics(tmp_path / "one" / "metrics.jsonl")
+    assert [m["skipped_updates"] for m in steps] == [0.0, 1.0, 0.0] and steps[-1]["skipped_steps"] == 1.0
+
+    monkeypatch.setattr(Engine, "accumulate", backward)
+    cfg, resolved = config.load("grpo_math", [*RUN[1:], "train.max_skipped_steps=2", "train.save_every=0",
+                                              f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'nan'}"])
+    start = {}
+    init = Engine.__init__
+
+    def poisoned_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        with torch.no_grad():
+            next(p for p in self.policy.module.parameters() if p.requires_grad).view(-1)[0] = float("nan")
+        start["weights"] = {n: p.detach().clone() for n, p in self.policy.module.named_parameters()}
+        start["engine"] = self
+
+    monkeypatch.setattr(Engine, "__init__", poisoned_init)
+    with pytest.raises(TrainingError, match="2 steps in a row had a non-finite loss or gradient norm"):
+        train(cfg, resolved, quiet=True)
+    engine = start["engine"]
+    after = dict(engine.policy.module.named_parameters())
+    assert all(torch.equal(after[n].nan_to_num(), w.nan_to_num()) for n, w in start["weights"].items())
+    assert not engine.policy.optimizer.state  # AdamW never stepped
+    assert [p.name for p in checkpoint.complete(tmp_path / "nan.partial" / "checkpoints")] == ["step_2"]
