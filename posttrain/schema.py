@@ -102,7 +102,7 @@ class DataConfig:
     preset: str | None = None
     """Layout of the rows and how answers are checked: gsm8k (question, answer ending `#### N`), math (problem,
     solution with a `\\boxed{}` answer, checked with math-verify) or embedded (the built-in task, no path); null:
-    embedded without `path`, gsm8k with it. The keys below that are null take the preset's value."""
+    embedded without `path` or `test_path`, gsm8k with either. The keys below that are null take the preset's value."""
     path: str | None = None
     """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk); null: the embedded task."""
     test_path: str | None = None
@@ -140,7 +140,7 @@ class DataConfig:
     """Embedded task: seed of the problem generator."""
 
     def __post_init__(self):
-        preset = self.preset or ("embedded" if self.path is None else "gsm8k")
+        preset = self.preset or ("embedded" if self.path is None and self.test_path is None else "gsm8k")
         if preset not in PRESETS:
             raise ConfigError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)}")
         if preset == "embedded" and self.path is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import pickle
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
@@ -129,6 +130,12 @@ def combine(cfg: RewardsConfig, answer_format: str = "number") -> Scorer:
         if fn.label in fns:
             raise ConfigError(f"{key}: another reward is already named {fn.label!r}; rename the file or the function")
         fns[fn.label], scale[fn.label] = fn, weight
+    for name, fn in fns.items():  # each is sent to the workers by reference: a lambda or closure cannot be
+        try:
+            pickle.dumps(fn)
+        except Exception:  # pickle raises several types for the same reason
+            raise ConfigError(f"rewards.{name}: the function cannot be sent to a reward worker; define it at the top "
+                              "level of an importable module (not a lambda, a closure or __main__)") from None
     calls = _Calls(fns, {name: {"answer_format": answer_format} if "answer_format" in _parameters(fn) else {}
                          for name, fn in fns.items()})  # one object, so each worker loads it once (bounded.py, 4)
     warned: set[tuple[str, str]] = set()

@@ -170,8 +170,8 @@ def test_judge_scores_and_counts_with_the_math_preset():
 
 
 def test_grpo_run_on_math_rows(warm_model_dir, tmp_path):
-    """The real CLI with `data.preset=math` on MATH-layout rows: the checker's workers run under it, and every
-    step logs reward/verify_errors."""
+    """The real CLI runs with `data.preset=math` on MATH-layout rows (the reward workers and math-verify start
+    under it) and records the math format; which checker scores is tested at the judge, just above."""
     import json
 
     from test_cli import posttrain

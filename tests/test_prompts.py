@@ -33,6 +33,7 @@ def test_presets_fill_what_is_not_given():
         ("problem", "solution", "solution", "math")
     assert DataConfig(preset="math", path="m.jsonl", prompt_field="question").prompt_field == "question"
     assert DataConfig().preset == "embedded" and DataConfig(path="x.jsonl").preset == "gsm8k"
+    assert DataConfig(test_path="t.jsonl").preset == "gsm8k"  # enough for posttrain eval
     assert DataConfig(path="x.jsonl").answer_format == "number"
 
 

@@ -81,10 +81,25 @@ def test_keep_checkpoints_and_refusals(tiny_model_dir, tmp_path):
             train(cfg, resolved, quiet=True)
 
 
-def test_what_may_differ_on_resume():
-    old = {"train": {"steps": 4, "lr": 1.0}, "eval": {"k": 0}, "resume": False}
-    assert checkpoint.differences(old, {"train": {"steps": 9, "lr": 1.0}, "eval": {"k": 8}, "resume": True}) == []
-    assert checkpoint.differences(old, {**old, "train": {"steps": 4, "lr": 2.0}}) == [("train.lr", 1.0, 2.0)]
+def test_what_may_differ_on_resume(tmp_path):
+    old = {"train": {"steps": 4, "lr": 1.0, "save_every": 1}, "eval": {"num_problems": 2}, "resume": False}
+    assert checkpoint.differences(old, {**old, "train": {"steps": 9, "lr": 1.0, "save_every": 5}, "resume": True}) == []
+    assert checkpoint.differences(old, {**old, "train": {"steps": 4, "lr": 2.0, "save_every": 1}}) == \
+        [("train.lr", 1.0, 2.0)]
+    # eval.num_problems sets the held-out rows, and so the training rows, when there is no data.test_path
+    assert checkpoint.differences(old, {**old, "eval": {"num_problems": 3}}) == [("eval.num_problems", 2, 3)]
+
+
+def test_a_new_run_does_not_discard_an_interrupted_runs_checkpoints(tmp_path):
+    from posttrain.train.rundir import RunDir
+
+    (tmp_path / "out.partial" / "checkpoints" / "step_2").mkdir(parents=True)
+    RunDir(tmp_path / "out", overwrite=False)  # a torn or model-only step_2 holds nothing to lose
+    (tmp_path / "out.partial" / "checkpoints" / "step_2" / "trainer_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an interrupted run's checkpoints; resume=true continues it"):
+        RunDir(tmp_path / "out", overwrite=False)
+    RunDir(tmp_path / "out", overwrite=False, resume=True)
+    RunDir(tmp_path / "out", overwrite=True)
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
@@ -100,24 +115,40 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
     calls = {"n": 0}
     backward = Engine.accumulate
 
-    def poisoned(self, batch, totals):  # the second update's loss is NaN
+    def poisoned(self, batch, totals):  # update 2: finite loss, NaN gradients; update 3: NaN loss, finite gradients
         calls["n"] += 1
         metrics = backward(self, batch, totals)
         if calls["n"] == 2:
             for p in self.policy.module.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
+        if calls["n"] == 3:
             metrics["loss"] = metrics["loss"] * float("nan")
         return metrics
 
     monkeypatch.setattr(Engine, "accumulate", poisoned)
-    cfg, resolved = config.load("grpo_math", [*RUN[1:], "train.steps=3", "train.save_every=0",
+    cfg, resolved = config.load("grpo_math", [*RUN[1:], "train.steps=4", "train.save_every=0",
                                               f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'one'}"])
+    seen = []
+    step = Engine.step
+
+    def watched(self):  # the policy's weights and AdamW step count after each step
+        out = step(self)
+        opt = self.policy.optimizer.state
+        seen.append(([p.detach().clone() for p in self.policy.module.parameters()],
+                     max((float(s["step"]) for s in opt.values()), default=0.0)))
+        return out
+
+    monkeypatch.setattr(Engine, "step", watched)
     train(cfg, resolved, quiet=True)
     steps = metrics(tmp_path / "one" / "metrics.jsonl")
-    assert [m["skipped_updates"] for m in steps] == [0.0, 1.0, 0.0] and steps[-1]["skipped_steps"] == 1.0
+    assert [m["skipped_updates"] for m in steps] == [0.0, 1.0, 1.0, 0.0] and steps[-1]["skipped_steps"] == 2.0
+    assert [adam for _, adam in seen] == [1.0, 1.0, 1.0, 2.0]  # AdamW stepped twice: steps 2 and 3 were skipped
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][0], seen[2][0]))  # and the weights did not move
+    assert not all(torch.equal(a, b) for a, b in zip(seen[2][0], seen[3][0]))
 
     monkeypatch.setattr(Engine, "accumulate", backward)
+    monkeypatch.setattr(Engine, "step", step)
     cfg, resolved = config.load("grpo_math", [*RUN[1:], "train.max_skipped_steps=2", "train.save_every=0",
                                               f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'nan'}"])
     start = {}

@@ -185,3 +185,14 @@ def test_gsm8k_answers_extract_and_score(row):
     """The extracted answer is the text after `####` less commas, and every reference scores itself 1.0."""
     assert extract_answer(row["answer"]) == row["answer"].split("####")[-1].strip().replace(",", "")
     assert accuracy([row["answer"]], [row["answer"]]) == [1.0]
+
+
+def test_a_reward_workers_cannot_import_is_refused_when_the_config_loads():
+    """Rewards run in worker processes, which import each function by name: a lambda cannot get there, and is
+    refused with the config's errors rather than at the first step."""
+    rewards.register("anonymous")(lambda completions, answers, prompts: [0.0] * len(completions))
+    try:
+        with pytest.raises(ConfigError, match="rewards.anonymous: the function cannot be sent to a reward worker"):
+            rewards.combine(RewardsConfig({"anonymous": 1.0}))
+    finally:
+        rewards.REWARDS.pop("anonymous", None)

@@ -79,11 +79,11 @@ def cmd_run(args) -> int:
     summary = train(cfg, resolved, quiet=args.quiet)
     if summary is None:  # not the main process: it prints nothing
         return 0
-    if "eval_before" in summary:
+    if "eval_before" in summary and "eval_after" in summary:
         print(f"held-out accuracy: {summary['eval_before']['accuracy']:.3f} -> {summary['eval_after']['accuracy']:.3f}"
               f" ({summary['eval_before']['num_problems']} problems, greedy)")
         before, after = summary["eval_before"], summary["eval_after"]
-        if "k" in after:
+        if "k" in after and after["k"] == before.get("k"):
             k = after["k"]
             print(f"held-out pass@{k}: {before[f'pass@{k}']:.3f} -> {after[f'pass@{k}']:.3f}, maj@{k}: "
                   f"{before[f'maj@{k}']:.3f} -> {after[f'maj@{k}']:.3f} ({after['n']} samples per problem)")

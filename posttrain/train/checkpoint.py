@@ -35,9 +35,10 @@ from posttrain.core.errors import ConfigError
 
 TRAINING_STATE, RUN_STATE = "training_state.pt", "trainer_state.json"
 STEP_DIR = re.compile(r"step_(\d+)")
-# Keys a resumed run may change: how long it runs, how often it saves and evaluates; nothing that changes a step.
+# Keys a resumed run may change: how long it runs and how often it saves. Not eval.*: eval.num_problems sets the
+# held-out rows (and so the training rows) without data.test_path, and sampled evaluation draws from the generators.
 MAY_CHANGE = ("description", "output_dir", "overwrite", "resume", "train.steps", "train.save_every",
-              "train.keep_checkpoints", "eval.", "warmup.cache_dir")
+              "train.keep_checkpoints", "warmup.cache_dir")
 
 
 class Checkpoints:
@@ -83,7 +84,9 @@ class Checkpoints:
         """Removes all but the newest `keep` complete checkpoints."""
         if self.keep:
             for old in complete(self.root / "checkpoints")[: -self.keep]:
-                shutil.rmtree(old)
+                gone = old.with_name(f".{old.name}.old")  # renamed first, so a kill never leaves half a step_N
+                old.rename(gone)
+                shutil.rmtree(gone)
 
     def final(self, engine) -> Path:
         save_model(engine, self.root / "model")
@@ -144,8 +147,8 @@ def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict
     changed = differences(run_state["config"], resolved)
     if changed:
         key, old, new = changed[0]
-        raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only how long it runs, "
-                          "how often it saves and its evaluation may change")
+        raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only how long it runs "
+                          "(train.steps) and how it saves (train.save_every, train.keep_checkpoints) may change")
     return run_state
 
 
@@ -157,6 +160,7 @@ def restore(path: Path, engine) -> None:
     mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
     engine.source.load_state_dict(mine["source"])
     set_rng_state(mine["rng"])
+    engine.sync_rollout()  # vLLM started from the start model's files
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:

@@ -235,6 +235,10 @@ class Engine:
         max_norm = self.cfg.train.max_grad_norm
         finite = torch.isfinite(metrics["loss"]).float().to(self.backend.device)
         self.skipped = not bool(self.backend.reduce(finite, "min"))  # every process decides alike
+        if self.skipped and not self.backend.skips_nonfinite:
+            raise TrainingError(f"train.backend={self.backend.name}: the loss is not finite, and DeepSpeed's "
+                                "accumulated gradients cannot be dropped here; lower train.lr or use ddp or fsdp2, "
+                                "which skip such steps")
         for name, trained in (("policy", self.policy), ("critic", self.critic)):
             if trained is None:
                 continue
@@ -301,8 +305,7 @@ class Engine:
         stats.update(skipped_updates=float(skipped), skipped_steps=float(self.skipped_steps))
         t0 = time.perf_counter()
         self.rollout.restore()
-        if not self.rollout.colocated:  # an engine holding its own copy of the weights is given the new ones
-            self.rollout.load_weights(self.backend.weights(self.policy))
+        self.sync_rollout()
         stats.update({"time/score": phases.seconds["scoring"], "time/update": phases.seconds["update"],
                       "time/weight_sync": time.perf_counter() - t0})
         metrics = {**prep, **mean_metrics(updates)}
@@ -316,6 +319,11 @@ class Engine:
         trained = float(batch.mask.sum())
         return {**stats, **reduced, "trained_tokens": trained, "lr": self.policy.scheduler.get_last_lr()[0],
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
+
+    def sync_rollout(self) -> None:
+        """Gives a rollout engine that holds its own copy of the weights (vLLM) the policy's current ones."""
+        if not self.rollout.colocated:
+            self.rollout.load_weights(self.backend.weights(self.policy))
 
     def training_state(self) -> dict:
         """The trained models' parameters, AdamW and schedule states (the same on every process)."""

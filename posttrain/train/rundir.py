@@ -21,6 +21,9 @@ class RunDir:
         if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
             raise ConfigError(f"output_dir: '{self.final}' is not empty; pass overwrite=true or another output_dir=…")
         self.path = self.final.with_name(self.final.name + ".partial")
+        if not resume and not overwrite and any((self.path / "checkpoints").glob("step_*/trainer_state.json")):
+            raise ConfigError(f"output_dir: '{self.path}' holds an interrupted run's checkpoints; resume=true "
+                              "continues it, overwrite=true starts afresh and discards them")
 
     def create(self) -> Path:
         """Empties and creates the staging directory (a previous failed run's leftovers go)."""
@@ -33,7 +36,7 @@ class RunDir:
         """The staging directory of an interrupted run, as it was (created if a resumed run starts a new one), without
         the temporary directories of checkpoint writes that a kill interrupted."""
         self.path.mkdir(parents=True, exist_ok=True)
-        for torn in (self.path / "checkpoints").glob(".step_*.tmp"):
+        for torn in (self.path / "checkpoints").glob(".step_*"):  # interrupted writes (.tmp) and removals (.old)
             shutil.rmtree(torn)
         return self.path
 
