@@ -113,3 +113,20 @@ def test_sft_gsm8k_recipe_on_a_chat_checkpoint(tmp_path, chat_tokenizer):
 
 def test_sft_gsm8k_needs_a_model():
     assert_one_line_error(posttrain("run", "recipe=sft_gsm8k"), "model.path: required by recipe sft_gsm8k")
+
+
+def test_a_template_that_writes_its_own_bos_gets_no_second_one():
+    """Llama-3-style: the tokenizer adds a BOS to plain text, and the chat template writes one itself. The rendered
+    prompt must be tokenised without special tokens, or it would start with two."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = bpe_tokenizer()
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                             special_tokens=[("<|endoftext|>", bos)])
+    tokenizer.chat_template = "<|endoftext|>" + tokenizer.chat_template
+    assert tokenizer("x")["input_ids"][0] == bos  # plain text does get a BOS
+    (ids,) = prompt_ids(tokenizer, [ROW], gsm8k())
+    assert ids[0] == bos and ids[1] != bos
+    (raw,) = prompt_ids(tokenizer, [ROW], gsm8k(chat_template=False))
+    assert raw[0] == bos and raw[1] != bos  # the raw template keeps the tokenizer's own BOS
