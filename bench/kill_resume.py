@@ -3,6 +3,7 @@ the same run never interrupted.
 
     python bench/kill_resume.py                 # 20 kills; about 10 min on 2 CPU cores
     python bench/kill_resume.py --kills 5 --seed 1
+    python bench/kill_resume.py --backend fsdp2 # the sharded training state (one process)
 
 The run is `grpo_math` on a freshly initialised tiny model (no warm-up), 8 steps with a checkpoint after every step,
 so a kill lands anywhere: while the model loads, during a step's sampling or update, inside a checkpoint write, or
@@ -40,7 +41,7 @@ RUN = ["recipe=grpo_math", f"train.steps={STEPS}", "train.batch_size=4", "algori
 
 
 def posttrain(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "posttrain", "run", *args, "-q"], stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "posttrain", "run", *RUN, *args, "-q"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -52,7 +53,15 @@ def corrupt_checkpoints(staging: Path) -> list[str]:
     for ckpt in complete(staging / "checkpoints"):
         try:
             json.loads((ckpt / RUN_STATE).read_text())
-            torch.load(ckpt / TRAINING_STATE, weights_only=False)
+            state = ckpt / TRAINING_STATE / "policy"
+            for file in state.rglob("*.pt"):  # ddp's state.pt; DeepSpeed's partitions; the schedule's
+                torch.load(file, weights_only=False)
+            if any(state.glob("*.distcp")):  # torch.distributed.checkpoint's shards, through their index
+                from torch.distributed.checkpoint import FileSystemReader
+
+                FileSystemReader(state).read_metadata()
+            if not any(state.iterdir()):
+                raise FileNotFoundError(state)
             torch.load(ckpt / "process_0.pt", weights_only=False)
             from safetensors.torch import load_file
 
@@ -66,7 +75,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="ddp", help="train.backend (one process): ddp, fsdp2, zero2 or zero3")
     args = p.parse_args(argv)
+    RUN.append(f"train.backend={args.backend}")
     rng = random.Random(args.seed)
     from posttrain.models.embedded import build_model_dir
 
@@ -74,7 +85,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("POSTTRAIN_CACHE", str(root / "cache"))
     model = build_model_dir(root / "init", hidden=32, layers=2, heads=2)
     start, first = time.perf_counter(), None
-    ref = posttrain(*RUN, f"model.path={model}", f"output_dir={root / 'whole'}")
+    ref = posttrain(f"model.path={model}", f"output_dir={root / 'whole'}")
     while ref.poll() is None:  # when the first checkpoint appears: training has begun
         if first is None and (root / "whole.partial" / "checkpoints" / "step_1").is_dir():
             first = time.perf_counter() - start
@@ -86,12 +97,13 @@ def main(argv=None) -> int:
     expected = (root / "whole" / "model" / "model.safetensors").read_bytes()
     walls = [json.loads(line)["wall_seconds"] for line in (root / "whole" / "metrics.jsonl").read_text().splitlines()]
     step_time = sorted(b - a for a, b in zip(walls, walls[1:]))[(STEPS - 1) // 2]  # median, checkpoint write included
-    print(f"uninterrupted run: {duration:.1f} s, its first checkpoint at {first or 0:.1f} s, {step_time:.2f} s a step; "
+    print(f"train.backend={args.backend}; uninterrupted run: {duration:.1f} s, its first checkpoint at "
+          f"{first or 0:.1f} s, {step_time:.2f} s a step; "
           f"killing {args.kills} runs, each after a random number of logged steps and a random part of a step more")
     identical = corrupt = 0
     for i in range(args.kills):
         out, logged, delay = root / f"run{i}", rng.randrange(STEPS), rng.uniform(0.0, step_time)
-        proc = posttrain(*RUN, f"model.path={model}", f"output_dir={out}")
+        proc = posttrain(f"model.path={model}", f"output_dir={out}")
         metrics = out.with_name(out.name + ".partial") / "metrics.jsonl"
         while proc.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < logged):
             time.sleep(0.005)
@@ -110,7 +122,7 @@ def main(argv=None) -> int:
             from posttrain.train.checkpoint import complete
 
             resume = ["resume=true"] if staging.is_dir() and complete(staging / "checkpoints") else []
-            again = posttrain(*RUN, f"model.path={model}", f"output_dir={out}", *resume)
+            again = posttrain(f"model.path={model}", f"output_dir={out}", *resume)
             if again.wait() != 0:
                 print(f"kill {i + 1} {where}: the resumed run failed: {again.stderr.read().strip()[-300:]}")
                 continue

@@ -130,6 +130,7 @@ def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("args, fragments", [
     (["recipe=nope"], ["unknown recipe 'nope'", "known: "]),
     (["recipe=grpo_math", "algorithm.bta=1"], ["did you mean algorithm.beta?"]),
+    (["recipe=grpo_math", "-q", "algorithm.bta=1"], ["did you mean algorithm.beta?"]),  # overrides after a flag too
     (["recipe=grpo_math", "train.steps=x"], ["train.steps: expected int"]),
     (["recipe=grpo_math", "algorithm.group_size=1"], ["algorithm.group_size"]),
     (["recipe=grpo_math", "data.path=missing.jsonl"], ["data.path: no such file or directory 'missing.jsonl'"]),

@@ -209,3 +209,43 @@ def test_every_role_is_sharded(tiny_model_dir, tmp_path, backend, offload):
              "critic_weights": load(tiny_model_dir, "critic")[0], "reward_model_weights": load(rm_dir, "reward_model")[0]}
     for role, model in whole.items():
         assert held[role] == pytest.approx(4 * model.num_parameters() / 2, rel=0.02), role
+
+
+@pytest.mark.parametrize("backend,recipe,algorithm", [
+    pytest.param("fsdp2", "grpo_math", ["algorithm.group_size=2"], id="fsdp2-grpo"),
+    pytest.param("zero3", "ppo_math", ["algorithm.ppo_epochs=1"], marks=[needs_deepspeed], id="zero3-ppo")])
+def test_sharded_state_resumes_bit_exactly_on_two_ranks(tiny_model_dir, tmp_path, backend, recipe, algorithm):
+    """Both ranks killed between step 3 and its checkpoint, then resumed from step 2's, end with the bytes of a run
+    never interrupted. Each rank wrote only its own shards of the training state (policy and, under PPO, critic)."""
+    from posttrain.train import checkpoint
+
+    def run(out, *extra, crash=None):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **({"POSTTRAIN_CRASH_AT": crash} if crash else {})}
+        args = ["-m", "posttrain", "run", f"recipe={recipe}", f"model.path={tiny_model_dir}", f"output_dir={out}",
+                "train.steps=3", "train.batch_size=2", *algorithm, "train.save_every=1",
+                "rollout.max_new_tokens=6", "eval.num_problems=0", "data.train_size=40", "data.test_size=4",
+                "train.precision=fp32", f"train.backend={backend}", "-q", *extra]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               "2", *args], capture_output=True, text=True, timeout=300, env=env)
+
+    whole = run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = run(tmp_path / "killed", crash="step:3")
+    assert killed.returncode != 0
+    staging = tmp_path / "killed.partial"
+    assert [p.name for p in checkpoint.complete(staging / "checkpoints")] == ["step_1", "step_2"]
+    state = staging / "checkpoints" / "step_2" / "training_state"
+    roles = ["critic", "policy"] if recipe == "ppo_math" else ["policy"]
+    assert sorted(p.name for p in state.iterdir()) == roles
+    for role in roles:  # one file of shards per rank, neither holding the whole (FSDP2 cuts unevenly: odd rows)
+        shards = sorted(state.glob(f"{role}/**/*.distcp" if backend == "fsdp2" else f"{role}/**/*optim_states.pt"))
+        assert len(shards) == 2, sorted(p.name for p in (state / role).rglob("*"))
+        sizes = [p.stat().st_size for p in shards]
+        assert max(sizes) < 0.6 * sum(sizes), sizes
+
+    resumed = run(tmp_path / "killed", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == backend and summary["resumed_from"]["step"] == 2
+    assert (tmp_path / "killed" / "model" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()

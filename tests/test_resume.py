@@ -74,7 +74,8 @@ def test_keep_checkpoints_and_refusals(tiny_model_dir, tmp_path):
         ([f"resume={step}", "train.lr=0.5", f"output_dir={tmp_path / 'a'}"],
          "resume: train.lr was 0.0002 in the run being resumed, now 0.5"),
         ([f"resume={tmp_path}", f"output_dir={tmp_path / 'b'}"], "is not a complete checkpoint"),
-        ([f"resume={step}", f"output_dir={tmp_path / 'c'}", "train.backend=fsdp2"], "train.backend=fsdp2 does not"),
+        ([f"resume={step}", f"output_dir={tmp_path / 'c'}", "train.backend=fsdp2"],
+         "resume: train.backend was 'ddp' in the run being resumed, now 'fsdp2'"),
     ]:
         cfg, resolved = config.load("grpo_math", [*RUN[1:], f"model.path={tiny_model_dir}", *extra])
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

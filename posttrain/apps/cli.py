@@ -159,9 +159,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with `key=value` overrides allowed after a flag as well as before it (`posttrain run
+    recipe=grpo_math -q train.steps=5`); argparse alone takes one run of positionals only."""
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    listed = next((name for name in ("overrides", "settings", "items") if isinstance(getattr(args, name, None), list)),
+                  None)
+    if rest and (listed is None or any(a.startswith("-") for a in rest)):
+        p.parse_args(argv)  # the error argparse gives, naming what it did not recognise
+    if rest:
+        getattr(args, listed).extend(rest)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     limit_malloc_arenas()  # before torch starts a thread
-    args = parser().parse_args(argv)
+    args = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything posttrain loads is local
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers stays quiet (no progress bars, errors only) through its environment, read when it is first

@@ -11,6 +11,7 @@ backend (`ddp`, `fsdp2`, `zero2`, `zero3`; docs/distributed.md) is an implementa
 - `reduce`, `barrier` and `agree` work across processes (`sharded` backends make every forward collective);
 - `whole`, `generation_model` and `weights` give the rollout engine the policy's weights, one whole tensor at a
   time; `save` writes one ordinary Hugging Face directory;
+- `save_state` and `load_state` write and read what continuing to train needs (sharded where the backend shards);
 - `weight_bytes`, `gradient_bytes` and `optimizer_bytes` count what this process holds, for summary.json.
 
 `train.backend` picks one by name from `BACKENDS`; `check` refuses settings a backend cannot run when the config loads.

@@ -151,26 +151,29 @@ class Backend:
     """Whether `step` skips the optimizer step on a non-finite gradient norm (DeepSpeed steps inside its engine)."""
 
     # -- training state, for checkpoints a run resumes from ------------------------------------------------------
-    resumable: bool = True
-    """Whether `training_state` and `load_training_state` work here (they do where every process holds the whole
-    model; sharded backends save only the model for now)."""
+    def save_state(self, trained: Trained, path: Path) -> None:
+        """Writes under the directory `path` what continuing to train `trained` needs, bit for bit: its trained
+        parameters (every one whose requires_grad is set; the frozen base of a LoRA model is the start's), exactly as
+        trained (fp32 master weights, whatever the saved model's dtype), AdamW's state and the schedule's. Every
+        process calls it.
 
-    def training_state(self, trained: Trained) -> dict:
-        """What continuing to train `trained` needs, on the CPU: its trained parameters (every one whose
-        requires_grad is set, by name; the frozen base of a LoRA model is the start's), AdamW's state and the
-        schedule's. Every process calls it; each gets the same, since each holds the whole model."""
+        Here every process holds the same whole state, and the first writes it as one file.
+        """
         model = self.generation_model(trained)
-        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-        optimizer = _to_cpu(trained.optimizer.state_dict())
-        scheduler = trained.scheduler.state_dict() if trained.scheduler is not None else None
-        return {"parameters": params, "optimizer": optimizer, "scheduler": scheduler}
+        if self.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+            torch.save({"parameters": params, "optimizer": _to_cpu(trained.optimizer.state_dict()),
+                        "scheduler": scheduler_state(trained)}, path / "state.pt")
+        self.barrier()
 
-    def load_training_state(self, trained: Trained, state: dict) -> None:
-        """Puts back what `training_state` returned, bit for bit.
+    def load_state(self, trained: Trained, path: Path) -> None:
+        """Puts back what `save_state` wrote under `path`, bit for bit (every process calls it).
 
         Raises:
             ValueError: the state names other parameters than the model trains (another model or LoRA setting).
         """
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         model = self.generation_model(trained)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if set(params) != set(state["parameters"]):
@@ -180,8 +183,7 @@ class Backend:
             for name, param in params.items():
                 param.copy_(state["parameters"][name])
         trained.optimizer.load_state_dict(state["optimizer"])
-        if trained.scheduler is not None and state["scheduler"] is not None:
-            trained.scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(trained, state["scheduler"])
 
     def save(self, trained: Trained, tokenizer, path: Path, merged: bool = False) -> None:
         """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
@@ -209,6 +211,15 @@ def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
     if warmup_steps is None:
         return optimizer, None
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+
+
+def scheduler_state(trained: Trained) -> dict | None:
+    return trained.scheduler.state_dict() if trained.scheduler is not None else None
+
+
+def load_scheduler_state(trained: Trained, state: dict | None) -> None:
+    if trained.scheduler is not None and state is not None:
+        trained.scheduler.load_state_dict(state)
 
 
 def one_process_group(device: torch.device) -> None:

@@ -21,11 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from posttrain.backends.base import Backend, Trained, adamw, one_process_group, register
+from posttrain.backends.base import (
+    Backend,
+    Trained,
+    adamw,
+    load_scheduler_state,
+    one_process_group,
+    register,
+    scheduler_state,
+)
 from posttrain.backends.ddp import DDP
 from posttrain.models import lora
 
@@ -48,7 +57,6 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 @register("fsdp2")
 class FSDP2(DDP):
     sharded = True
-    resumable = False  # sharded training state (torch.distributed.checkpoint) is not written yet
     offloads = ("none", "params")  # FSDP2 offloads weights, gradients and AdamW state together, never one alone
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
@@ -106,3 +114,45 @@ class FSDP2(DDP):
         return trained.module  # sampling runs the sharded module: each block is gathered for its own forward
 
     save = Backend.save  # gathered one weight at a time, not DDP's (whole weights on process 0)
+
+    def save_state(self, trained, path: Path) -> None:
+        """Each process writes its own shards of the trained parameters and of AdamW's state, never gathered
+        (torch.distributed.checkpoint: one `__<rank>_0.distcp` file per process and the `.metadata` that maps
+        them); the first writes the schedule's state. `path` must be on a file system every process sees."""
+        import torch.distributed.checkpoint as dcp
+
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save(sharded_state(trained), checkpoint_id=path)
+        if self.is_main:
+            torch.save(scheduler_state(trained), path / "scheduler.pt")
+        self.barrier()
+
+    def load_state(self, trained, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = sharded_state(trained)  # the shards to fill in, in place
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(trained.module, trained.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=trained_only())
+        load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=False))
+
+
+def trained_only():
+    """State-dict options that leave out frozen parameters (a LoRA model's base: the start model has it). Loading
+    is then not strict, as the frozen ones are missing; `dcp.load` has already failed on any trained one that the
+    checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def sharded_state(trained: Trained) -> dict:
+    """{"model", "optimizer"}: this process's shards of the trained parameters and of AdamW's state, as sharded
+    tensors keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = get_state_dict(trained.module, trained.optimizer, options=trained_only())
+    # the state dict also names a tied weight a second time (lm_head.weight for the embeddings), frozen or not
+    names = {name for name, p in trained.module.named_parameters() if p.requires_grad}
+    return {"model": {k: v for k, v in model.items() if k in names}, "optimizer": optimizer}

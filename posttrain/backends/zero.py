@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -36,7 +37,15 @@ from pathlib import Path
 
 import torch
 
-from posttrain.backends.base import Backend, Trained, adamw, one_process_group, register
+from posttrain.backends.base import (
+    Backend,
+    Trained,
+    adamw,
+    load_scheduler_state,
+    one_process_group,
+    register,
+    scheduler_state,
+)
 from posttrain.backends.ddp import DDP
 from posttrain.core.errors import ConfigError
 from posttrain.core.memory import tensor_bytes
@@ -50,12 +59,14 @@ def _no_shm_compile() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+STATE_TAG = "deepspeed"  # the folder DeepSpeed writes its checkpoint in
+
+
 def _bytes(tensors) -> int:
     return tensor_bytes(t for t in tensors if t is not None)
 
 
 class ZeRO(DDP):
-    resumable = False  # DeepSpeed's partitioned optimizer state is not written to checkpoints yet
     skips_nonfinite = False  # its engine steps before the norm is known here: a non-finite one stops the run
     stage = 0
 
@@ -68,6 +79,8 @@ class ZeRO(DDP):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
         if self.device.type == "cpu":
             _no_shm_compile()
+        if self.world_size == 1:  # no launcher: DeepSpeed's engine asserts that one set the local rank
+            os.environ.setdefault("LOCAL_RANK", "0")
         one_process_group(self.device)
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
 
@@ -127,6 +140,28 @@ class ZeRO(DDP):
             trained.scheduler.step()
         norm = engine.get_global_grad_norm()  # before clipping, as clip_grad_norm_ returns it
         return torch.as_tensor(float(norm)) if max_grad_norm > 0 and norm is not None else None
+
+    def save_state(self, trained, path: Path) -> None:
+        """DeepSpeed's own checkpoint: each process writes its partition of the fp32 master weights and AdamW's
+        state (`zero_pp_rank_<rank>_…_optim_states.pt`), never gathered, and the trained module's weights; the first
+        writes the schedule's state. `path` must be on a file system every process sees."""
+        path.mkdir(parents=True, exist_ok=True)
+        trained.module.save_checkpoint(str(path), tag=STATE_TAG, save_latest=False, exclude_frozen_parameters=True)
+        if self.is_main:
+            torch.save(scheduler_state(trained), path / "scheduler.pt")
+        self.barrier()
+
+    def load_state(self, trained, path: Path) -> None:
+        from posttrain.models import lora
+
+        # the fp32 master partitions are loaded and copied into the weights; a LoRA model's frozen base is not in
+        # the checkpoint (the start model has it), so only then may the module's weights be partial
+        loaded, _ = trained.module.load_checkpoint(str(path), tag=STATE_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False,
+                                                   load_module_strict=not lora.is_adapted(self.generation_model(trained)))
+        if loaded is None:
+            raise ValueError(f"no DeepSpeed checkpoint in {path / STATE_TAG}")
+        load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=False))
 
     def generation_model(self, trained):
         return trained.module.module  # the model inside DeepSpeed's engine (its hooks gather ZeRO-3 shards)

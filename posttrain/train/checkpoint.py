@@ -3,8 +3,10 @@
 `checkpoints/step_N/` is an ordinary Hugging Face model directory (under LoRA, the adapter) with the training state
 beside the weights:
 
-- `training_state.pt`: the trained parameters exactly as trained (fp32 master weights, whatever the saved model's
-  dtype), and the AdamW and learning-rate schedule states, of the policy and the critic;
+- `training_state/policy/` (and `critic/`): the trained parameters exactly as trained (fp32 master weights, whatever
+  the saved model's dtype), and the AdamW and learning-rate schedule states, as the backend writes them: one file
+  under `ddp`; each process's shards under `fsdp2` (torch.distributed.checkpoint) and `zero2`/`zero3` (DeepSpeed's
+  checkpoint), never gathered, so that a model too large for one device saves and resumes as it trains;
 - `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its data position;
 - `trainer_state.json`, written last: the step, the evaluations and wall time so far, the start model and the config.
 
@@ -14,8 +16,8 @@ kill at any moment leaves the previous checkpoints and at most a temporary direc
 `train.keep_checkpoints` bounds how many are kept, newest first.
 
 What is built at the start (the reference model, RFT's samples, DPO's pairs) is not saved: a resumed run builds it
-again from the same start model and seed, then puts the saved state back (`restore`). Sharded backends
-(`Backend.resumable` false) write the model only, which a run cannot resume from.
+again from the same start model and seed, then puts the saved state back (`restore`). A run resumes with the
+backend and process count that wrote the checkpoint; every process must see the checkpoint directory.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from posttrain.core.errors import ConfigError
 
-TRAINING_STATE, RUN_STATE = "training_state.pt", "trainer_state.json"
+TRAINING_STATE, RUN_STATE = "training_state", "trainer_state.json"
 STEP_DIR = re.compile(r"step_(\d+)")
 # Keys a resumed run may change: how long it runs and how often it saves. Not eval.*: eval.num_problems sets the
 # held-out rows (and so the training rows) without data.test_path, and sampled evaluation draws from the generators.
@@ -65,15 +67,12 @@ class Checkpoints:
         backend.barrier()
         save_model(engine, tmp)
         crash_point("checkpoint", step)  # fault injection for the kill tests: a torn temporary directory
-        if backend.resumable:
-            state = engine.training_state()  # every process takes part; each holds the same
-            if backend.is_main:
-                torch.save(state, tmp / TRAINING_STATE)
-            torch.save({"rng": rng_state(), "source": engine.source.state_dict()}, tmp / f"process_{backend.rank}.pt")
+        engine.save_training_state(tmp / TRAINING_STATE)  # every process takes part
+        torch.save({"rng": rng_state(), "source": engine.source.state_dict()}, tmp / f"process_{backend.rank}.pt")
         backend.barrier()
         if backend.is_main:
             (tmp / RUN_STATE).write_text(json.dumps({"step": step, "world_size": backend.world_size,
-                                                     "resumable": backend.resumable, **run_state}, indent=1))
+                                                     "backend": backend.name, **run_state}, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a step_N a resumed run is about to write again
             tmp.rename(final)
             self.prune()
@@ -124,9 +123,9 @@ def find(resume: bool | str, staging: Path) -> Path:
         if not (path / RUN_STATE).is_file():
             raise ConfigError(f"resume: '{path}' is not a complete checkpoint (no {RUN_STATE}); give a "
                               "checkpoints/step_N directory")
-    if not json.loads((path / RUN_STATE).read_text()).get("resumable", False):
-        raise ConfigError(f"resume: '{path}' holds the model only (written under a sharded train.backend), "
-                          "not the training state a run continues from")
+    if not (path / TRAINING_STATE).is_dir():
+        raise ConfigError(f"resume: '{path}' holds the model only, not the training state a run continues from "
+                          f"(no {TRAINING_STATE}/)")
     return path
 
 
@@ -140,7 +139,7 @@ def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict
     run_state = json.loads((path / RUN_STATE).read_text())
     if run_state["world_size"] != world_size:
         raise ConfigError(f"resume: '{path}' was written by {run_state['world_size']} processes; this run has "
-                          f"{world_size} (each process's data position and generators are saved)")
+                          f"{world_size} (each process's data position, generators and shards are saved)")
     if run_state["model_path"] != str(Path(model_path).resolve()):
         raise ConfigError(f"resume: '{path}' continues a run that started from '{run_state['model_path']}', "
                           f"not '{Path(model_path).resolve()}'")
@@ -156,7 +155,7 @@ def restore(path: Path, engine) -> None:
     """Puts the checkpoint at `path` back into `engine`: trained models, optimizers, schedules, data position and
     random generators (`check` first)."""
     backend = engine.backend
-    engine.load_training_state(torch.load(path / TRAINING_STATE, map_location="cpu", weights_only=False))
+    engine.load_training_state(path / TRAINING_STATE)
     mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
     engine.source.load_state_dict(mine["source"])
     set_rng_state(mine["rng"])

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from posttrain import judge, rollout
-from posttrain.backends import Backend
+from posttrain.backends import Backend, Trained
 from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
@@ -239,9 +239,7 @@ class Engine:
             raise TrainingError(f"train.backend={self.backend.name}: the loss is not finite, and DeepSpeed's "
                                 "accumulated gradients cannot be dropped here; lower train.lr or use ddp or fsdp2, "
                                 "which skip such steps")
-        for name, trained in (("policy", self.policy), ("critic", self.critic)):
-            if trained is None:
-                continue
+        for name, trained in self.trained().items():
             self.roles.observe(f"{name}_gradients", self.backend.gradient_bytes(trained))
             if self.skipped:
                 trained.optimizer.zero_grad(set_to_none=True)
@@ -325,17 +323,19 @@ class Engine:
         if not self.rollout.colocated:
             self.rollout.load_weights(self.backend.weights(self.policy))
 
-    def training_state(self) -> dict:
-        """The trained models' parameters, AdamW and schedule states (the same on every process)."""
-        state = {"policy": self.backend.training_state(self.policy)}
-        if self.critic is not None:
-            state["critic"] = self.backend.training_state(self.critic)
-        return state
+    def trained(self) -> dict[str, Trained]:
+        """The models being trained, by role."""
+        return {name: t for name, t in (("policy", self.policy), ("critic", self.critic)) if t is not None}
 
-    def load_training_state(self, state: dict) -> None:
-        self.backend.load_training_state(self.policy, state["policy"])
-        if self.critic is not None:
-            self.backend.load_training_state(self.critic, state["critic"])
+    def save_training_state(self, path: Path) -> None:
+        """Writes the trained models' parameters, AdamW and schedule states under `path`/<role> (every process
+        takes part; the backend decides who writes what)."""
+        for name, trained in self.trained().items():
+            self.backend.save_state(trained, path / name)
+
+    def load_training_state(self, path: Path) -> None:
+        for name, trained in self.trained().items():
+            self.backend.load_state(trained, path / name)
 
     def evaluate(self) -> dict:
         e = self.cfg.eval

@@ -50,9 +50,6 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
-    if cfg.resume and not backend.resumable:
-        raise ConfigError(f"resume: train.backend={cfg.train.backend} does not write the training state yet; "
-                          "runs under ddp resume")
     checkpoint = checkpoints.find(cfg.resume, run_dir.path) if cfg.resume else None
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
