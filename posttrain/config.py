@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from importlib import resources
@@ -22,6 +23,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from posttrain.core.errors import ConfigError
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
+    TRACKERS,
     DataConfig,
     EvalConfig,
     ModelConfig,
@@ -154,6 +156,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree_wo_algo = {k: v for k, v in tree.items() if k not in ("algorithm", "rewards")}
     cfg = build(RunConfig, tree_wo_algo, "")
     cfg.rewards = rewards_config(tree.get("rewards"))
+    check_trackers(cfg)
     if "name" not in algo_tree:
         raise ConfigError("algorithm.name: missing; the recipe must name a method, e.g. algorithm.name=grpo")
     from posttrain import algorithms  # the plugins, and torch: once the other groups are valid, a bad key answers fast
@@ -168,6 +171,22 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return cfg, resolved
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """A tracker whose library is missing fails here, before any work (found, not imported: wandb takes seconds)."""
+    for name in cfg.trackers:
+        if not any(importlib.util.find_spec(package) for package in TRACKERS[name]):
+            raise ConfigError(f"report_to: {name} needs {' or '.join(TRACKERS[name])}: "
+                              "pip install 'posttrain[tracking]'")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A resolved tree as one level of dotted keys, {"train": {"lr": 1e-5}} -> {"train.lr": 1e-5}."""
+    out = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def rewards_config(values: Any) -> RewardsConfig:

@@ -7,6 +7,7 @@ Plain data that every layer may read; nothing here looks up a plugin or an engin
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -322,6 +323,11 @@ class RewardsConfig:
             raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
 
 
+# The trackers `report_to` names (posttrain.train.tracking), each with the packages that provide it: any one will do
+# (accelerate's TensorBoard tracker takes torch.utils.tensorboard, which needs tensorboard, else tensorboardX).
+TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb",), "trackio": ("trackio",)}
+
+
 @dataclass
 class RunConfig:
     description: str = ""
@@ -333,6 +339,10 @@ class RunConfig:
     resume: bool | str = False
     """Continue an interrupted run: true, from the newest complete checkpoint in `<output_dir>.partial`; a path, from
     that checkpoints/step_N directory. The config must match the run's, but for train.steps, saving and eval."""
+    report_to: str = "none"
+    """Trackers that get every line of metrics.jsonl and the resolved config, through accelerate's: none, tensorboard
+    (`<output_dir>/tensorboard`), wandb (`<output_dir>/wandb`; WANDB_MODE=offline works without a network) or trackio
+    (its local database), or several comma-separated, e.g. tensorboard,wandb; `pip install 'posttrain[tracking]'`."""
     seed: int = 0
     """Seed of the model init, sampling and data order; runs with the same seed repeat exactly on CPU."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -346,6 +356,22 @@ class RunConfig:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}; your own in `custom`; each call bounded."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+
+    def __post_init__(self):
+        names = [name.strip() for name in self.report_to.split(",")]
+        for name in names:
+            if name not in ("none", *TRACKERS):
+                near = difflib.get_close_matches(name, TRACKERS, n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise ConfigError(f"report_to: unknown tracker {name!r}; {hint}known: none, {', '.join(TRACKERS)} "
+                                  "(several: comma-separated)")
+        if "none" in names and len(names) > 1:
+            raise ConfigError(f"report_to: none names no tracker and goes alone (got {self.report_to!r})")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers `report_to` names, each once, in its order; () for none."""
+        return tuple(dict.fromkeys(n.strip() for n in self.report_to.split(",") if n.strip() != "none"))
 
 
 def cache_root(cfg: RunConfig) -> Path:

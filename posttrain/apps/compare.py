@@ -84,13 +84,6 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def _int(settings: dict, key: str, low: int) -> int | None:
     if key not in settings:
         return None
@@ -147,7 +140,7 @@ def plan(argv: list[str]) -> Plan:
     resolved, notes = _load_all(recipes, passed), []
     own = {"train.steps": _int(settings, "steps", 1), "eval.every": _int(settings, "eval_every", 0)}
     user_keys = {item.partition("=")[0] for item in passed}
-    per = {name: _flat(tree) for name, tree in resolved.items()}
+    per = {name: config.flatten(tree) for name, tree in resolved.items()}
 
     def values(key: str) -> str:
         return ", ".join(f"{name}={flat.get(key)}" for name, flat in per.items())
@@ -168,7 +161,7 @@ def plan(argv: list[str]) -> Plan:
         notes.append(f"eval.num_problems: {min(problems)} for every recipe, the smallest among them "
                      f"({values('eval.num_problems')}), so all are scored on the same held-out problems")
     overrides = passed + [f"{k}={v}" for k, v in own.items() if v is not None]
-    per = {name: _flat(tree) for name, tree in _load_all(recipes, overrides).items()}
+    per = {name: config.flatten(tree) for name, tree in _load_all(recipes, overrides).items()}
     for key in sorted({k for flat in per.values() for k in flat}):
         if key.startswith(ALIGNED) and len({json.dumps(flat.get(key)) for flat in per.values()}) > 1:
             notes.append(f"the recipes differ in {key} ({values(key)}); pass {key}=… to align them")

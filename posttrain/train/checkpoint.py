@@ -39,7 +39,7 @@ TRAINING_STATE, RUN_STATE = "training_state", "trainer_state.json"
 STEP_DIR = re.compile(r"step_(\d+)")
 # Keys a resumed run may change: how long it runs and how often it saves. Not eval.*: eval.num_problems sets the
 # held-out rows (and so the training rows) without data.test_path, and sampled evaluation draws from the generators.
-MAY_CHANGE = ("description", "output_dir", "overwrite", "resume", "train.steps", "train.save_every",
+MAY_CHANGE = ("description", "output_dir", "overwrite", "resume", "report_to", "train.steps", "train.save_every",
               "train.keep_checkpoints", "warmup.cache_dir")
 
 

@@ -84,7 +84,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
     if schedule.on and checkpoint is None:
         summary["eval_before"] = engine.evaluate()
-    with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, append=start > 0) as tracker:
+    with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, start=start, report_to=cfg.trackers,
+                 config=resolved, name=run_dir.final.name) as tracker:
         for step in range(start + 1, steps + 1):
             metrics = {"step": step, **engine.step()}
             if schedule.in_loop(step):

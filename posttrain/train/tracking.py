@@ -1,11 +1,18 @@
-"""Tracking a run: one JSON object per step in metrics.jsonl, and a progress bar (step, reward, KL, loss, tokens/s)
-on the terminal (stderr). Only the main process tracks; the others pass `path=None` and show nothing.
+"""Tracking a run: one JSON object per step in metrics.jsonl, a progress bar (step, reward, KL, loss, tokens/s) on the
+terminal (stderr), and the trackers `report_to` names, which get the same numbers through accelerate's tracker classes.
+Only the main process tracks; the others pass `path=None` and show nothing.
+
+A tracker is a function in `TRACKERS`: (run directory, run name, steps done before) -> an accelerate `GeneralTracker`,
+not yet started. Its library is imported only when a run asks for it.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +27,8 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.table import Column
 from rich.text import Text
+
+from posttrain.config import flatten
 
 FIELDS = (("reward", "reward {:.3f}"), ("kl", "kl {:.4f}"), ("loss", "loss {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"))
 FIGURES_WIDTH = 80  # about what a line takes without its bar: the unit, the step count, the figures and the times
@@ -69,34 +78,109 @@ class Progress:
             self.bar.stop()
 
 
+def tensorboard_tracker(run_dir: Path, name: str, start: int):
+    """Event files in `<run dir>/tensorboard` (accelerate writes into logging_dir/run_name). A resumed run opens its
+    file with purge_step = its first step, so TensorBoard drops what the interrupted run logged after its checkpoint."""
+    from accelerate.tracking import TensorBoardTracker
+
+    return TensorBoardTracker("tensorboard", run_dir, purge_step=start + 1 if start else None)
+
+
+def wandb_tracker(run_dir: Path, name: str, start: int):
+    """A W&B run named after the run, its files in `<run dir>/wandb` (WANDB_MODE=offline: an offline-run-* directory
+    there, for `wandb sync`); project $WANDB_PROJECT, else posttrain. A resumed run is a new W&B run whose steps go on
+    from the checkpoint's: W&B refuses steps below a run's last, which the interrupted run may have passed."""
+    from accelerate.tracking import WandBTracker
+
+    return WandBTracker(os.environ.get("WANDB_PROJECT") or "posttrain", dir=str(run_dir), name=name)
+
+
+def trackio_tracker(run_dir: Path, name: str, start: int):
+    """A trackio run named after the run in its local database ($TRACKIO_DIR, else $HF_HOME/trackio); project
+    $TRACKIO_PROJECT, else posttrain. trackio's own CPU and GPU sampling is off: it gets metrics.jsonl's numbers only.
+    A resumed run is a new trackio run of the same name, as under W&B."""
+    from accelerate.tracking import TrackioTracker
+
+    class Trackio(TrackioTracker):
+        def store_init_configuration(self, values: dict) -> None:
+            # accelerate 1.15 calls trackio.config.update(values, allow_val_change=True); trackio's config is a plain
+            # dict, which stores allow_val_change as one more key
+            self.run.config.update(values)
+
+        def finish(self) -> None:
+            import trackio
+
+            trackio.finish()  # accelerate's run.finish() leaves the run current, for trackio to finish again at exit
+
+    return Trackio(os.environ.get("TRACKIO_PROJECT") or "posttrain", name=name, auto_log_cpu=False,
+                   auto_log_gpu=False)
+
+
+# report_to's names (posttrain.schema.TRACKERS, which also says what each needs installed) -> a tracker
+TRACKERS = {"tensorboard": tensorboard_tracker, "wandb": wandb_tracker, "trackio": trackio_tracker}
+
+
+def hyperparameters(config: dict) -> dict[str, bool | str | int | float]:
+    """The resolved config as trackers store it: dotted keys, scalar values; null and lists as their JSON text."""
+    return {k: v if isinstance(v, (bool, str, int, float)) else json.dumps(v) for k, v in flatten(config).items()}
+
+
 class Tracker:
-    """Writes each step's metrics to `path` (flushed per step) and shows them on the progress bar.
+    """Writes each step's metrics to `path` (flushed per step), shows them on the progress bar, and logs their numbers
+    (all but `step`, which is their step) to each tracker of `report_to`.
 
     Args:
         path: metrics.jsonl, or None on processes that do not track.
         total: steps of the run.
-        show: whether to show progress (off with --quiet).
-        append: add to the lines `path` holds (a resumed run) rather than start it afresh.
+        show: whether to show progress (off with --quiet; the trackers' own lines then go too).
+        start: steps done before this process (a resumed run): `path` is added to rather than started afresh, and
+            TensorBoard drops what was logged after step `start`.
+        report_to: names of `TRACKERS`.
+        config: the resolved config (config.yaml), stored with each tracker as `hyperparameters`.
+        name: the run's name (output_dir's last part), for W&B and trackio.
     """
 
-    def __init__(self, path: Path | None, total: int, show: bool, append: bool = False):
-        self.path, self.append = path, append
+    def __init__(self, path: Path | None, total: int, show: bool, start: int = 0, report_to: tuple[str, ...] = (),
+                 config: dict | None = None, name: str = "run"):
+        self.path, self.start, self.config, self.name = path, start, config or {}, name
+        self.report_to = report_to if path is not None else ()
         self.progress = Progress(total, enabled=path is not None and show)
-        self.file = None
+        self.file, self.trackers, self.stack = None, [], ExitStack()
+
+    def chatter(self):
+        """Where trackers' prints go (trackio prints to stdout, which holds the run's results): stderr, or nowhere."""
+        return redirect_stdout(sys.stderr if self.progress.enabled else io.StringIO())
 
     def __enter__(self) -> Tracker:
-        if self.path is not None:
-            self.file = open(self.path, "a" if self.append else "w")  # a resumed run adds to its lines
-        self.progress.__enter__()
+        with ExitStack() as stack:  # on an error, what was opened so far is closed again
+            if self.path is not None:
+                self.file = stack.enter_context(open(self.path, "a" if self.start else "w"))
+            values = hyperparameters(self.config) if self.report_to else {}
+            for name in self.report_to:  # before the live bar, which takes over the terminal
+                tracker = TRACKERS[name](self.path.parent, self.name, self.start)
+                with self.chatter():
+                    tracker.start()
+                stack.callback(self.finish, tracker)
+                tracker.store_init_configuration(values)
+                self.trackers.append(tracker)
+            stack.enter_context(self.progress)
+            self.stack = stack.pop_all()
         return self
+
+    def finish(self, tracker) -> None:
+        with self.chatter():
+            tracker.finish()
 
     def log(self, metrics: dict) -> None:
         if self.file is not None:
             self.file.write(json.dumps(metrics) + "\n")
             self.file.flush()
+        if self.trackers:
+            numbers = {k: v for k, v in metrics.items()
+                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for tracker in self.trackers:
+                tracker.log(numbers, step=metrics["step"])
         self.progress.update(metrics)
 
     def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
-        if self.file is not None:
-            self.file.close()
+        self.stack.__exit__(*exc)  # the bar stops, then the trackers finish (files closed), then metrics.jsonl closes
