@@ -15,6 +15,7 @@ from typing import Any
 
 from posttrain.core.aggregation import MODES
 from posttrain.core.errors import ConfigError
+from posttrain.core.schedules import SCHEDULES
 
 
 @dataclass
@@ -218,7 +219,14 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps, then constant."""
+    """Linear learning-rate warm-up steps, then `lr_schedule`."""
+    lr_schedule: str = "constant"
+    """After the warm-up: constant; cosine, from lr down to min_lr; cosine_restarts, that cosine over lr_cycles equal
+    cycles, back to lr at each restart (posttrain/core/schedules.py has the formulas)."""
+    min_lr: float = 0.0
+    """The floor a cosine schedule decays to."""
+    lr_cycles: int = 1
+    """Cosine cycles of cosine_restarts (4: three warm restarts)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
     loss_agg: str = "seq_mean_token_mean"
@@ -226,8 +234,8 @@ class TrainConfig:
     loss_agg_norm: float | None = None
     """Constant L of seq_mean_token_sum_norm (Dr. GRPO); null: rollout.max_new_tokens."""
     save_every: int = 0
-    """Write a checkpoint every N steps under output_dir/checkpoints (the model and, under ddp, the training state a
-    run resumes from: optimizer, schedule, random generators, data position); 0: only the final model."""
+    """Write a checkpoint every N steps under output_dir/checkpoints (the model and the training state a run resumes
+    from: optimizer, schedule, random generators, data position); 0: only the final model."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints; 0: keep them all."""
     max_skipped_steps: int = 10
@@ -258,6 +266,12 @@ class TrainConfig:
                     "max_skipped_steps"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be ≥ 0 (got {getattr(self, key)})")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError(f"lr_schedule: unknown {self.lr_schedule!r}; known: {', '.join(SCHEDULES)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr: must be between 0 and lr={self.lr} (got {self.min_lr})")
+        if self.lr_cycles < 1:
+            raise ConfigError(f"lr_cycles: must be ≥ 1 (got {self.lr_cycles})")
         if self.loss_agg_norm is not None and self.loss_agg_norm <= 0:
             raise ConfigError(f"loss_agg_norm: must be > 0 (got {self.loss_agg_norm})")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,11 +76,11 @@ class Backend:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def train(self, model: torch.nn.Module, *, lr: float, weight_decay: float, warmup_steps: int | None = None,
-              max_grad_norm: float = 0.0) -> Trained:
-        """Wraps `model` for training with AdamW; `warmup_steps` adds a linear warm-up, then a constant rate.
-        `max_grad_norm` is the clipping `step` will be asked for (a backend that clips inside its engine needs it
-        up front)."""
+    def train(self, model: torch.nn.Module, *, lr: float, weight_decay: float,
+              schedule: Callable[[int], float] | None = None, max_grad_norm: float = 0.0) -> Trained:
+        """Wraps `model` for training with AdamW; `schedule` gives the factor on `lr` at each optimizer step
+        (posttrain.core.schedules; None: a constant rate, no scheduler). `max_grad_norm` is the clipping `step` will
+        be asked for (a backend that clips inside its engine needs it up front)."""
         raise NotImplementedError
 
     def freeze(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -205,12 +205,12 @@ class Backend:
 
 
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
-          warmup_steps: int | None) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over `params` and its schedule: a linear warm-up over `warmup_steps`, then constant (None: no schedule)."""
+          schedule: Callable[[int], float] | None) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over `params` and its learning-rate schedule (None: none, a constant rate)."""
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-    if warmup_steps is None:
+    if schedule is None:
         return optimizer, None
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup_steps + 1)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def scheduler_state(trained: Trained) -> dict | None:

@@ -53,12 +53,12 @@ class DDP(Backend):
             atexit.unregister(_close_process_group)  # once, however many runs this process makes
             atexit.register(_close_process_group)
 
-    def train(self, model, *, lr, weight_decay, warmup_steps=None, max_grad_norm=0.0) -> Trained:
+    def train(self, model, *, lr, weight_decay, schedule=None, max_grad_norm=0.0) -> Trained:
         if self.precision == "bf16":  # weights, gradients and AdamW state all in bf16
             model = model.to(torch.bfloat16)
         model = self.place(model)
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a value head) only
-        optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule)
         if scheduler is None:
             return Trained(*self.acc.prepare(model, optimizer))
         return Trained(*self.acc.prepare(model, optimizer, scheduler))

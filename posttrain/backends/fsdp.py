@@ -80,12 +80,12 @@ class FSDP2(DDP):
         fully_shard(lora.hf_model(model), mesh=self.mesh, offload_policy=policy)
         return model
 
-    def train(self, model, *, lr, weight_decay, warmup_steps=None, max_grad_norm=0.0) -> Trained:
+    def train(self, model, *, lr, weight_decay, schedule=None, max_grad_norm=0.0) -> Trained:
         if self.precision == "bf16":
             model = model.to(torch.bfloat16)
         model = self.shard(self.place(model))
         trained = [p for p in model.parameters() if p.requires_grad]  # this process's shards
-        return Trained(model, *adamw(trained, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps))
+        return Trained(model, *adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule))
 
     def freeze(self, model):
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16

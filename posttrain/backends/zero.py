@@ -116,12 +116,12 @@ class ZeRO(DDP):
             "steps_per_print": 2**62, "wall_clock_breakdown": False,
         }
 
-    def train(self, model, *, lr, weight_decay, warmup_steps=None, max_grad_norm=0.0) -> Trained:
+    def train(self, model, *, lr, weight_decay, schedule=None, max_grad_norm=0.0) -> Trained:
         import deepspeed
 
         model = self.place(model)
         trained = [p for p in model.parameters() if p.requires_grad]
-        optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule)
         engine, zero_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=trained,
             config=self.config(model, trained=True, max_grad_norm=max_grad_norm))

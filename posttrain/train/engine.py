@@ -12,6 +12,7 @@ not depend on how the batch is split into micro-batches or over processes.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
+from posttrain.core.schedules import lr_factor
 from posttrain.data import RowSampler, uses_chat
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
@@ -76,7 +78,10 @@ class Engine:
                 self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen,
                                                key="model.ref_path")[0])
         self.parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
-        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+        updates = t.steps * self.plugin.epochs(a) * self.plugin.minibatches(a)  # optimizer steps of the run
+        schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=updates,
+                                     cycles=t.lr_cycles, floor=t.min_lr / t.lr)
+        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, schedule=schedule,
                                     max_grad_norm=t.max_grad_norm)
         self.critic = None
         if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
@@ -292,7 +297,7 @@ class Engine:
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
         self.rollout.release()
-        skipped = 0
+        skipped, lr = 0, self.policy.scheduler.get_last_lr()[0]  # the rate of this step's first update
         with phases.phase("update"), large_allocations_mapped():
             for _ in range(self.plugin.epochs(self.cfg.algorithm)):
                 for minibatch in self.minibatches(batch):
@@ -315,7 +320,7 @@ class Engine:
             reduced["mismatch/max"] = float(self.backend.reduce(self.mismatch[2], "max"))
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
-        return {**stats, **reduced, "trained_tokens": trained, "lr": self.policy.scheduler.get_last_lr()[0],
+        return {**stats, **reduced, "trained_tokens": trained, "lr": lr,
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
 
     def sync_rollout(self) -> None:
