@@ -185,6 +185,13 @@ class RolloutConfig:
     sequences at full length."""
     max_model_len: int | None = None
     """vllm: the longest prompt + completion it accepts; null: the model's max_position_embeddings."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv:2503.14476): drop the groups whose rewards are all equal (no advantage to
+    learn from) and sample more prompts until the step has batch_size groups that differ, at most
+    max_sampling_rounds times; the extra rollouts are counted (sampling_rounds, dropped_groups)."""
+    max_sampling_rounds: int = 4
+    """dynamic_sampling: the most sampling rounds a step takes; if the rounds run out, equal-reward groups fill the
+    batch (they add nothing but the KL term) and filled_groups counts them."""
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -201,6 +208,8 @@ class RolloutConfig:
             raise ConfigError(f"kv_cache_gb: must be > 0 or null (got {self.kv_cache_gb})")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
+        if self.max_sampling_rounds < 1:
+            raise ConfigError(f"max_sampling_rounds: must be ≥ 1 (got {self.max_sampling_rounds})")
 
 
 OFFLOADS = ("none", "optimizer", "params")

@@ -90,6 +90,38 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
+def concat(batches: list[Batch], pad_id: int) -> Batch:
+    """The rows of `batches` in order, as one batch: prompts left-padded to the longest P, responses and per-token
+    tensors ([b, R] ones: mask, log-probs) right-padded to the longest R, with `pad_id` and zeros."""
+    P = max(b.prompt_len for b in batches)
+    R = max(b.input_ids.shape[1] - b.prompt_len for b in batches)
+
+    def widened(b: Batch) -> Batch:
+        p, r = b.prompt_len, b.input_ids.shape[1] - b.prompt_len
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            if t is b.input_ids or t is b.attention_mask:
+                fill = pad_id if t is b.input_ids else 0
+                return torch.nn.functional.pad(t, (P - p, R - r), value=fill)
+            if t.dim() >= 2 and t.shape[1] == r:  # per token
+                return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, R - r), value=0)
+            return t
+
+        return dataclasses.replace(b._map(pad), prompt_len=P)
+
+    wide = [widened(b) for b in batches]
+    first = wide[0]
+    changes = {}
+    for f in dataclasses.fields(first):
+        values = [getattr(b, f.name) for b in wide]
+        if all(isinstance(v, torch.Tensor) for v in values):
+            changes[f.name] = torch.cat(values)
+        elif any(isinstance(v, torch.Tensor) for v in values):
+            raise ValueError(f"concat: {f.name} is set in some batches only")
+    changes["extra"] = {k: torch.cat([b.extra[k] for b in wide]) for k in first.extra}
+    return dataclasses.replace(first, **changes)
+
+
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
     """Left-pads prompts to P and right-pads responses to R; `mask` marks the response tokens."""
     prompt, prompt_mask = left_pad(prompts, pad_id)  # [B, P]

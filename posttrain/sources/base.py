@@ -35,6 +35,8 @@ class Deps:
     score_reference: Callable[[Batch], torch.Tensor] | None  # [B, R] log π_ref of a batch (None: no reference)
     model_path: Path  # the starting model's directory (keys the cache of its samples)
     cache_dir: Path
+    agree: Callable[[bool], bool] | None = None  # True when a flag is true on every process (a collective call where
+    # weights are sharded, so that every process samples as many rounds); None: this process's flag
 
 
 class Source:

@@ -1,12 +1,26 @@
-"""The online source: n samples of the current policy per prompt, judged, every step (GRPO, PPO, Online RFT)."""
+"""The online source: n samples of the current policy per prompt, judged, every step (GRPO, PPO, Online RFT).
+
+With `rollout.dynamic_sampling` (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476, §3.2) a step keeps only
+the groups whose rewards differ: a group of equal rewards has zero group-relative advantage and adds no policy
+gradient, so as more prompts become always-solved (or never-solved) the effective batch shrinks. The source samples
+`batch_size` more prompts, round after round, until it holds `batch_size` groups that differ, and trains on the first
+`batch_size` of them. After `rollout.max_sampling_rounds` rounds it fills what is missing with equal-reward groups
+rather than train on fewer rows (every process then runs the same number of forward passes). Where weights are
+sharded, a round is sampled on every process until every process has enough (`Deps.agree`). The reward figures
+(`reward`, `reward/*`) are over every completion sampled, the filtered-out ones too: what the policy produced, not
+what the filter kept.
+"""
 
 from __future__ import annotations
 
 import time
 
-from posttrain.core.batch import Batch
+import torch
+
+from posttrain.core.batch import Batch, concat
 from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
+from posttrain.rewards.base import COUNTS
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RolloutConfig
 from posttrain.sources.base import Source, register
@@ -17,25 +31,67 @@ class Online(Source):
     on_policy = True
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int, rollout: RolloutEngine,
-                 sampling: RolloutConfig, judge: Judge, n: int):
+                 sampling: RolloutConfig, judge: Judge, n: int, agree=None):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
+        self.agree = agree or (lambda flag: flag)
 
     @classmethod
     def from_deps(cls, d) -> Online:
-        return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt)
+        return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt,
+                   d.agree)
 
-    def next(self) -> tuple[Batch, dict]:
+    def sample(self) -> tuple[Batch, dict]:
+        """One round: `batch_size` new prompts, n samples each, judged."""
         rows = self.sampler.next(self.batch_size)
         s = self.sampling
         t0 = time.perf_counter()
         batch = self.rollout.generate(prompt_ids(self.tokenizer, rows, self.data), self.n,
                                       max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
-        stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum()),
-                 "response_len": float(batch.mask.sum(-1).mean()),
-                 "truncated_frac": float(batch.truncated.float().mean())}
+        stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum())}
         t0 = time.perf_counter()
         batch.reward, reward_stats = self.judge.score([r for r in rows for _ in range(self.n)],
                                                       completion_texts(self.tokenizer, batch))
         stats.update(reward_stats, **{"time/reward": time.perf_counter() - t0})
         return batch, stats
+
+    def next(self) -> tuple[Batch, dict]:
+        if not self.sampling.dynamic_sampling:
+            batch, stats = self.sample()
+        else:
+            batch, stats = self.dynamic()
+        stats.update(response_len=float(batch.mask.sum(-1).mean()), truncated_frac=float(batch.truncated.float().mean()))
+        return batch, stats
+
+    def dynamic(self) -> tuple[Batch, dict]:
+        """Rounds of `sample` until `batch_size` groups whose rewards differ (or the rounds run out); the step's batch
+        of exactly `batch_size` groups, renumbered 0..batch_size − 1 in the order they were drawn."""
+        rounds, varied, equal = [], [], []  # batches; (round, group) pairs whose rewards differ / are all equal
+        for r in range(self.sampling.max_sampling_rounds):
+            batch, stats = self.sample()
+            rounds.append((batch, stats))
+            for g in range(self.batch_size):
+                rewards = batch.reward[batch.group == g]
+                (varied if bool(rewards.max() > rewards.min()) else equal).append((r, g))
+            if self.agree(len(varied) >= self.batch_size):
+                break
+        chosen = varied[: self.batch_size]
+        filled = equal[: self.batch_size - len(chosen)]
+        parts = []
+        for new_group, (r, g) in enumerate(chosen + filled):
+            part = rounds[r][0].select(rounds[r][0].group == g)
+            part.group = torch.full_like(part.group, new_group)
+            parts.append(part)
+        batch = concat(parts, self.tokenizer.pad_token_id)
+        stats = merged([s for _, s in rounds])
+        stats.update(sampling_rounds=float(len(rounds)), dropped_groups=float(len(rounds) * self.batch_size
+                                                                               - len(chosen) - len(filled)),
+                     filled_groups=float(len(filled)))
+        return batch, stats
+
+
+def merged(stats: list[dict]) -> dict[str, float]:
+    """The stats of several rounds as one: times, token and failure counts add up; means (of equal-sized rounds)
+    are averaged."""
+    sums = {"time/rollout", "time/reward", "generated_tokens", *(f"reward/{k}" for k in COUNTS)}
+    return {k: (sum if k in sums else lambda v: sum(v) / len(v))([s[k] for s in stats]) for k in stats[0]}
