@@ -157,6 +157,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     cfg = build(RunConfig, tree_wo_algo, "")
     cfg.rewards = rewards_config(tree.get("rewards"))
     check_trackers(cfg)
+    if cfg.rewards.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rewards.overlong_buffer: {cfg.rewards.overlong_buffer} is more than the budget it is the "
+                          f"end of (rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
     if "name" not in algo_tree:
         raise ConfigError("algorithm.name: missing; the recipe must name a method, e.g. algorithm.name=grpo")
     from posttrain import algorithms  # the plugins, and torch: once the other groups are valid, a bad key answers fast
@@ -210,7 +213,8 @@ def rewards_config(values: Any) -> RewardsConfig:
 
 def rewards_tree(cfg: RewardsConfig) -> dict:
     """The `rewards` group in its flat form, as a recipe writes it (config.yaml, `posttrain config`)."""
-    return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s}
+    return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s,
+            "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty}
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:

@@ -329,7 +329,7 @@ class RewardsConfig:
     """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside two
     reserved keys, e.g. `{accuracy: 1.0, format: 0.1, custom: {my_rewards.py:brevity: 0.5}, timeout_s: 10}`."""
 
-    RESERVED = ("custom", "timeout_s")  # the keys of the group that are not reward names
+    RESERVED = ("custom", "timeout_s", "overlong_buffer", "overlong_penalty")  # the keys that are not reward names
 
     weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
     """Registered rule rewards (rewards/) and their weights, written straight in the group: {accuracy: 1.0,
@@ -340,10 +340,20 @@ class RewardsConfig:
     timeout_s: float = 10.0
     """Wall-clock bound in seconds on each reward call, one completion per call; past it the sample scores 0 and
     counts in reward/timeouts."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (rewards/overlong.py): the last N tokens of rollout.max_new_tokens, over which
+    a completion's reward falls linearly by up to overlong_penalty (a truncated one loses all of it); 0: off. Online
+    methods."""
+    overlong_penalty: float = 1.0
+    """The weight of the overlong punishment: what a completion that reaches the budget loses."""
 
     def __post_init__(self):
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
+        if self.overlong_buffer < 0:
+            raise ConfigError(f"overlong_buffer: must be ≥ 0 (got {self.overlong_buffer})")
+        if self.overlong_penalty < 0:
+            raise ConfigError(f"overlong_penalty: must be ≥ 0 (got {self.overlong_penalty})")
 
 
 # The trackers `report_to` names (posttrain.train.tracking), each with the packages that provide it: any one will do

@@ -14,7 +14,7 @@ from posttrain.core.registry import Registry
 from posttrain.data import RowSampler
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
-from posttrain.schema import DataConfig, RolloutConfig
+from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Deps:
     cache_dir: Path
     agree: Callable[[bool], bool] | None = None  # True when a flag is true on every process (a collective call where
     # weights are sharded, so that every process samples as many rounds); None: this process's flag
+    rewards: RewardsConfig | None = None  # the rewards.* keys the source applies itself (the overlong punishment)
 
 
 class Source:

@@ -9,6 +9,9 @@ rather than train on fewer rows (every process then runs the same number of forw
 sharded, a round is sampled on every process until every process has enough (`Deps.agree`). The reward figures
 (`reward`, `reward/*`) are over every completion sampled, the filtered-out ones too: what the policy produced, not
 what the filter kept.
+
+With `rewards.overlong_buffer` the source adds DAPO's soft overlong punishment to each reward (rewards/overlong.py):
+it needs the completions' token counts, which the judge's rules do not see.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from posttrain.core.batch import Batch, concat
 from posttrain.data import RowSampler, completion_texts, prompt_ids
 from posttrain.judge import Judge
 from posttrain.rewards.base import COUNTS
+from posttrain.rewards.overlong import overlong_penalty
 from posttrain.rollout import RolloutEngine
-from posttrain.schema import DataConfig, RolloutConfig
+from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
 from posttrain.sources.base import Source, register
 
 
@@ -31,15 +35,16 @@ class Online(Source):
     on_policy = True
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int, rollout: RolloutEngine,
-                 sampling: RolloutConfig, judge: Judge, n: int, agree=None):
+                 sampling: RolloutConfig, judge: Judge, n: int, agree=None, rewards: RewardsConfig | None = None):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
         self.agree = agree or (lambda flag: flag)
+        self.rewards = rewards or RewardsConfig()
 
     @classmethod
     def from_deps(cls, d) -> Online:
         return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt,
-                   d.agree)
+                   d.agree, d.rewards)
 
     def sample(self) -> tuple[Batch, dict]:
         """One round: `batch_size` new prompts, n samples each, judged."""
@@ -52,6 +57,11 @@ class Online(Source):
         t0 = time.perf_counter()
         batch.reward, reward_stats = self.judge.score([r for r in rows for _ in range(self.n)],
                                                       completion_texts(self.tokenizer, batch))
+        if self.rewards.overlong_buffer:
+            penalty = self.rewards.overlong_penalty * overlong_penalty(batch.mask.sum(-1).cpu(), batch.truncated.cpu(),
+                                                                       s.max_new_tokens, self.rewards.overlong_buffer)
+            batch.reward = batch.reward + penalty.to(batch.reward)
+            reward_stats.update(reward=float(batch.reward.mean()), **{"reward/overlong": float(penalty.mean())})
         stats.update(reward_stats, **{"time/reward": time.perf_counter() - t0})
         return batch, stats
 

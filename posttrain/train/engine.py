@@ -122,7 +122,8 @@ class Engine:
                 samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
                 judge=self.judge,
                 score_reference=(lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference else None,
-                model_path=self.model_path, cache_dir=cache_root(cfg), agree=backend.agree))
+                model_path=self.model_path, cache_dir=cache_root(cfg), agree=backend.agree,
+                rewards=cfg.rewards))
         ref = self.ref
         if self.source.scores_reference:
             self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs

@@ -1,5 +1,6 @@
-"""DAPO's dynamic sampling (rollout.dynamic_sampling): which groups a step keeps, how many rounds it samples, what
-fills the batch when the rounds run out, and that the concatenated batch holds each kept sample's tokens intact."""
+"""The online source's DAPO options. Dynamic sampling (rollout.dynamic_sampling): which groups a step keeps, how many
+rounds it samples, what fills the batch when the rounds run out, and that the concatenated batch holds each kept
+sample's tokens intact. The soft overlong punishment (rewards.overlong_buffer): Eq. 13 by hand, and on the rewards."""
 
 import json
 
@@ -9,7 +10,8 @@ from conftest import EASY
 from test_cli import posttrain
 
 from posttrain.core.batch import Batch, collate, concat
-from posttrain.schema import RolloutConfig
+from posttrain.rewards.overlong import overlong_penalty
+from posttrain.schema import RewardsConfig, RolloutConfig
 from posttrain.sources import online
 from posttrain.sources.online import Online
 
@@ -141,3 +143,36 @@ def test_a_grpo_run_with_dynamic_sampling(tiny_model_dir, tmp_path):
         m = json.loads(line)
         assert 1 <= m["sampling_rounds"] <= 2
         assert m["zero_std_frac"] == pytest.approx(m["filled_groups"] / 2)
+
+
+def test_overlong_penalty_hand_worked():
+    """Budget 10, buffer 4: the punishment starts after 6 tokens; 7 tokens lose 1/4, 9 lose 3/4, 10 (ended on its
+    last token) lose all; a truncated completion loses all whatever its length."""
+    lengths = torch.tensor([3, 6, 7, 9, 10, 10])
+    truncated = torch.tensor([False, False, False, False, False, True])
+    got = overlong_penalty(lengths, truncated, budget=10, buffer=4)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+
+
+def test_overlong_penalty_is_added_to_the_rewards():
+    """Responses of 1 and 2 tokens (the fake rollout's) in a budget of 2 with a buffer of 2: the punishment starts
+    at 0 tokens, so 1 token loses half the weight 0.4 and 2 tokens all of it: rewards 1 − 0.2 and 0 − 0.4."""
+    s = source(["mixed"])
+    s.batch_size, s.sampling = 1, RolloutConfig(max_new_tokens=2)
+    s.rewards = RewardsConfig(overlong_buffer=2, overlong_penalty=0.4)
+    batch, stats = s.next()
+    assert batch.reward.tolist() == pytest.approx([0.8, -0.4])
+    assert stats["reward/overlong"] == pytest.approx(-0.3) and stats["reward"] == pytest.approx(0.2)
+
+
+def test_overlong_settings_are_checked():
+    from posttrain import config
+    from posttrain.core.errors import ConfigError
+
+    cfg, resolved = config.load("grpo_math", ["rewards.overlong_buffer=8"])
+    assert cfg.rewards.overlong_buffer == 8 and resolved["rewards"]["overlong_buffer"] == 8
+    with pytest.raises(ConfigError, match=r"rewards.overlong_buffer: 99 is more than the budget it is the end of "
+                                          r"\(rollout.max_new_tokens=24\)"):
+        config.load("grpo_math", ["rewards.overlong_buffer=99"])
+    with pytest.raises(ConfigError, match="rewards.overlong_penalty: must be ≥ 0"):
+        config.load("grpo_math", ["rewards.overlong_penalty=-1"])
