@@ -23,6 +23,8 @@ class Algorithm:
         unit: rows that must stay together in one micro-batch (2 for a preference pair).
         learned_reward: the method is usually run with a learned reward model (PPO, as in InstructGPT); only
             `posttrain estimate` reads it, to count one by default.
+        kl_penalty: the config's `beta` weighs a KL penalty to the reference, which `train.beta_schedule` may vary
+            step by step (DPO's β is a temperature of its loss, not such a weight).
     """
 
     name: str = ""
@@ -30,6 +32,7 @@ class Algorithm:
     source: str = "offline"
     unit: int = 1
     learned_reward: bool = False
+    kl_penalty: bool = False
 
     @staticmethod
     def needs(cfg: Any) -> frozenset[str]:

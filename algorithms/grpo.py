@@ -107,6 +107,7 @@ def group_advantages(reward: torch.Tensor, group: torch.Tensor, scale_std: bool,
 class GRPO(Algorithm):
     Config = GRPOConfig
     source = "online"
+    kl_penalty = True
 
     @staticmethod
     def needs(cfg: GRPOConfig) -> frozenset[str]:

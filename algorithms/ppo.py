@@ -138,6 +138,7 @@ class PPO(Algorithm):
     Config = PPOConfig
     source = "online"
     learned_reward = True
+    kl_penalty = True
 
     @staticmethod
     def needs(cfg: PPOConfig) -> frozenset[str]:

@@ -72,7 +72,7 @@ def _type_name(tp) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks `value` against the annotation `tp` (int, float, bool, str, optional, dict[str, float])."""
+    """Checks `value` against the annotation `tp` (int, float, bool, str, optional, list, dict[str, float])."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -85,6 +85,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 pass
         return _coerce(value, options[-1], key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, e.g. [0.05, 0.02], got {value!r}")
+        return [_coerce(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -166,6 +170,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    if cfg.train.beta_schedule != "constant" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
+        why = "its β weighs no KL penalty" if not plugin.kl_penalty else "algorithm.beta is 0, so no reference is loaded"
+        raise ConfigError(f"train.beta_schedule: {plugin.name} has nothing to schedule ({why})")
     from posttrain import backends, rewards, rollout  # transformers, torch.distributed
 
     rewards.combine(cfg.rewards)  # unknown names, bad weights, custom files that do not load: all fail here

@@ -15,7 +15,7 @@ from typing import Any
 
 from posttrain.core.aggregation import MODES
 from posttrain.core.errors import ConfigError
-from posttrain.core.schedules import SCHEDULES
+from posttrain.core.schedules import BETA_SCHEDULES, SCHEDULES
 
 
 @dataclass
@@ -236,6 +236,13 @@ class TrainConfig:
     """The floor a cosine schedule decays to."""
     lr_cycles: int = 1
     """Cosine cycles of cosine_restarts (4: three warm restarts)."""
+    beta_schedule: str = "constant"
+    """The KL weight β over the run, for methods with a KL penalty to the reference (GRPO and its variants, PPO):
+    constant (algorithm.beta); piecewise, beta_values over equal stages of the run; cosine, from beta_values[0] to
+    beta_values[1] (posttrain/core/schedules.py). A schedule sets β each step; algorithm.beta must be > 0 (so that a
+    reference is loaded), and metrics.jsonl logs the step's beta."""
+    beta_values: list[float] = field(default_factory=list)
+    """beta_schedule's values: the stages of piecewise (e.g. [0.05, 0.02, 0.01]), the start and end of cosine."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm; 0 disables it."""
     loss_agg: str = "seq_mean_token_mean"
@@ -281,6 +288,13 @@ class TrainConfig:
             raise ConfigError(f"min_lr: must be between 0 and lr={self.lr} (got {self.min_lr})")
         if self.lr_cycles < 1:
             raise ConfigError(f"lr_cycles: must be ≥ 1 (got {self.lr_cycles})")
+        if self.beta_schedule not in BETA_SCHEDULES:
+            raise ConfigError(f"beta_schedule: unknown {self.beta_schedule!r}; known: {', '.join(BETA_SCHEDULES)}")
+        wanted = {"constant": (0, "none"), "piecewise": (len(self.beta_values) or 1, "at least one"),
+                  "cosine": (2, "two, the start and the end")}[self.beta_schedule]
+        if len(self.beta_values) != wanted[0] or any(v < 0 for v in self.beta_values):
+            raise ConfigError(f"beta_values: {self.beta_schedule} takes {wanted[1]} value(s) ≥ 0 "
+                              f"(got {self.beta_values})")
         if self.loss_agg_norm is not None and self.loss_agg_norm <= 0:
             raise ConfigError(f"loss_agg_norm: must be > 0 (got {self.loss_agg_norm})")
 

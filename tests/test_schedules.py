@@ -54,3 +54,58 @@ def test_the_run_logs_the_rate_each_step_used(tiny_model_dir, tmp_path):
                                             (["train.lr_cycles=0"], "train.lr_cycles: must be ≥ 1")])
 def test_bad_schedule_settings(tmp_path, args, fragment):
     assert_one_line_error(posttrain("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
+
+
+def test_beta_schedules_by_hand():
+    """piecewise [0.05, 0.02, 0.01] over 6 steps: two steps each; cosine 0.04 -> 0.01 over 5 steps: 0.04, then
+    0.01 + 0.03·½(1 + cos(πk/4)) = 0.035607, 0.025, 0.014393, 0.01."""
+    from posttrain.core.schedules import beta_at
+
+    piece = [beta_at(s, schedule="piecewise", values=[0.05, 0.02, 0.01], total=6, beta=0.9) for s in range(1, 7)]
+    assert piece == [0.05, 0.05, 0.02, 0.02, 0.01, 0.01]
+    cosine = [beta_at(s, schedule="cosine", values=[0.04, 0.01], total=5, beta=0.9) for s in range(1, 6)]
+    assert cosine == pytest.approx([0.04, 0.035607, 0.025, 0.014393, 0.01], abs=1e-6)
+    assert beta_at(3, schedule="constant", values=[], total=6, beta=0.9) == 0.9
+
+
+def test_the_run_uses_and_logs_each_steps_beta(tiny_model_dir, tmp_path, monkeypatch):
+    """A GRPO run with β piecewise over 4 steps: metrics.jsonl logs β = 0.2, 0.2, 0.05, 0.05, and the plugin's GC
+    was computed with that β at each step (its kl term is β(π_ref/πθ − 1), so the β seen by coefficient is checked
+    directly)."""
+    from posttrain import config
+    from posttrain.algorithms.grpo import GRPO
+    from posttrain.train import run as train
+
+    seen = []
+    coefficient = GRPO.coefficient
+
+    def spy(batch, logp, cfg):
+        seen.append(cfg.beta)
+        return coefficient(batch, logp, cfg)
+
+    monkeypatch.setattr(GRPO, "coefficient", staticmethod(spy))
+    cfg, resolved = config.load("grpo_math", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'b'}",
+                                              "train.steps=4", "train.batch_size=2", "algorithm.group_size=2",
+                                              "rollout.max_new_tokens=4", "eval.num_problems=0", *EASY,
+                                              "train.beta_schedule=piecewise", "train.beta_values=[0.2,0.05]"])
+    train(cfg, resolved, quiet=True)
+    logged = [json.loads(line)["beta"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [0.2, 0.2, 0.05, 0.05]
+    assert sorted(set(seen)) == [0.05, 0.2] and seen[0] == 0.2 and seen[-1] == 0.05
+    assert cfg.algorithm.beta == 0.04  # the caller's config is left as it was
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["train.beta_schedule=cosine", "train.beta_values=[0.1]"], "train.beta_values: cosine takes two"),
+    (["train.beta_schedule=piecewise"], "train.beta_values: piecewise takes at least one"),
+    (["train.beta_schedule=step"], "train.beta_schedule: unknown 'step'"),
+    (["train.beta_schedule=piecewise", "train.beta_values=[0.1]", "algorithm.beta=0"],
+     "train.beta_schedule: grpo has nothing to schedule (algorithm.beta is 0"),
+    (["train.beta_values=0.1"], "train.beta_values: expected a list")])
+def test_bad_beta_schedules(tmp_path, args, fragment):
+    assert_one_line_error(posttrain("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
+
+
+def test_dpo_has_no_kl_weight_to_schedule(tmp_path):
+    assert_one_line_error(posttrain("run", "recipe=dpo_math", "train.beta_schedule=piecewise", "train.beta_values=[1]",
+                                    f"output_dir={tmp_path / 'x'}"), "train.beta_schedule: dpo has nothing to schedule")

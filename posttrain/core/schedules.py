@@ -1,4 +1,6 @@
-"""Learning-rate schedules: the factor on `train.lr` at each optimizer step (what torch's LambdaLR multiplies by).
+"""Schedules over a run: the learning rate's, and the KL weight β's.
+
+The learning rate: the factor on `train.lr` at each optimizer step (what torch's LambdaLR multiplies by).
 
 Every schedule starts with `train.warmup_steps` of linear warm-up, (s + 1)/(w + 1) at step s, then over the
 remaining T − w optimizer steps, with progress p = (s − w)/(T − w) in [0, 1) and the floor m = train.min_lr/train.lr:
@@ -38,3 +40,25 @@ def lr_factor(step: int, *, schedule: str, warmup: int, total: int, cycles: int 
     elif schedule != "cosine":
         raise ValueError(f"unknown schedule {schedule!r}")
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+BETA_SCHEDULES = ("constant", "piecewise", "cosine")
+
+
+def beta_at(step: int, *, schedule: str, values: list[float], total: int, beta: float) -> float:
+    """β at step `step` (1-based) of `total`: the KL weight of a method that penalises KL to the reference.
+
+    - ``constant``: `beta` (the algorithm's own) throughout.
+    - ``piecewise``: `values` over equal stages of the run, e.g. [0.05, 0.02, 0.01] over 300 steps is 0.05 for steps
+      1-100, 0.02 for 101-200 and 0.01 after: a weak pull early would let the policy drift, a strong one late would
+      hold back what it has learnt (the seed's schedule).
+    - ``cosine``: from values[0] at step 1 to values[1] at the last step, v1 + (v0 − v1)·½(1 + cos(π(s − 1)/(T − 1))).
+    """
+    if schedule == "constant":
+        return beta
+    if schedule == "piecewise":
+        return values[min((step - 1) * len(values) // max(total, 1), len(values) - 1)]
+    if schedule == "cosine":
+        start, end = values
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / max(total - 1, 1)))
+    raise ValueError(f"unknown β schedule {schedule!r}")

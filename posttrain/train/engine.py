@@ -12,6 +12,7 @@ not depend on how the batch is split into micro-batches or over processes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
-from posttrain.core.schedules import lr_factor
+from posttrain.core.schedules import beta_at, lr_factor
 from posttrain.data import RowSampler, uses_chat
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
@@ -55,6 +56,8 @@ class Engine:
 
     def __init__(self, cfg: RunConfig, model_path: str | Path, backend: Backend,
                  splits: tuple[list[dict], list[dict]]):
+        # its own copy of the algorithm's config, whose β train.beta_schedule sets each step
+        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm))
         self.cfg, self.backend, self.model_path = cfg, backend, Path(model_path)
         self.plugin = algorithm_of(cfg)
         self.needs = self.plugin.needs(cfg.algorithm)
@@ -129,6 +132,7 @@ class Engine:
             self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
         self.roles, self.phases = RoleBytes(), PhasePeaks()
         self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
+        self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's)
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         rm = getattr(self.judge.reward_model, "model", None)
         for role, model in (("policy_weights", sampler), ("reference_weights", ref),
@@ -281,6 +285,11 @@ class Engine:
     def step(self) -> dict[str, float]:
         t_start = time.perf_counter()
         phases = self.phases
+        self.steps_done += 1
+        t, scheduled = self.cfg.train, self.cfg.train.beta_schedule != "constant"
+        if scheduled:
+            self.cfg.algorithm.beta = beta_at(self.steps_done, schedule=t.beta_schedule, values=t.beta_values,
+                                              total=t.steps, beta=self.cfg.algorithm.beta)
         with phases.phase("rollout"), self.backend.autocast():  # sampling and rewards; collation if offline
             batch, stats = self.source.next()
             batch = batch.to(self.backend.device)
@@ -322,6 +331,7 @@ class Engine:
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
         return {**stats, **reduced, "trained_tokens": trained, "lr": lr,
+                **({"beta": self.cfg.algorithm.beta} if scheduled else {}),
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
 
     def sync_rollout(self) -> None:

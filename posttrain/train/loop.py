@@ -66,6 +66,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         checkpoints.restore(checkpoint, engine)
         start, elapsed = state["step"], state["wall_seconds"]
         engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
+        engine.steps_done = start
         summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
     backend.barrier()
     out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
