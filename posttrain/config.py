@@ -170,6 +170,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
+        raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
+                          f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")
     if cfg.train.beta_schedule != "constant" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         why = "its β weighs no KL penalty" if not plugin.kl_penalty else "algorithm.beta is 0, so no reference is loaded"
         raise ConfigError(f"train.beta_schedule: {plugin.name} has nothing to schedule ({why})")

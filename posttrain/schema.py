@@ -307,6 +307,9 @@ def weights_dtype(precision: str, trained: bool) -> str:
     return "bfloat16"
 
 
+STOP_ON = ("none", "accuracy", "kl")  # eval.stop_on: what early stopping watches
+
+
 @dataclass
 class EvalConfig:
     num_problems: int = 200
@@ -321,11 +324,27 @@ class EvalConfig:
     """Also sample each problem (at rollout.temperature and top_p) for pass@k and maj@k; 0: greedy only."""
     n: int | None = None
     """Samples per problem behind pass@k's unbiased estimate (≥ k; more lowers its variance); null: k."""
+    stop_on: str = "none"
+    """Early stopping, judged at each evaluation of `every`: none; accuracy, the held-out greedy accuracy (higher is
+    better); kl, the mean training KL to the reference since the previous evaluation (lower is better). The run stops
+    after `patience` evaluations in a row worse than the best by more than `min_delta`, and its final model is the
+    best evaluation's (posttrain/train/evaluation.py, EarlyStop)."""
+    patience: int = 3
+    """Evaluations in a row worse than the best before the run stops."""
+    min_delta: float = 0.05
+    """How much worse than the best, relatively, an evaluation must be to count: 0.05 is 5%."""
 
     def __post_init__(self):
-        for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1), ("k", 0)):
+        for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1), ("k", 0), ("patience", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be ≥ {low} (got {getattr(self, key)})")
+        if self.stop_on not in STOP_ON:
+            raise ConfigError(f"stop_on: unknown {self.stop_on!r}; known: {', '.join(STOP_ON)}")
+        if self.stop_on != "none" and not (self.every and self.num_problems):
+            raise ConfigError(f"stop_on: {self.stop_on} is judged at the evaluations of eval.every; set eval.every "
+                              "and eval.num_problems > 0")
+        if self.min_delta < 0:
+            raise ConfigError(f"min_delta: must be ≥ 0 (got {self.min_delta})")
         if self.n is not None and self.n < max(self.k, 1):
             raise ConfigError(f"n: must be ≥ k = {self.k} and ≥ 1, or null (got {self.n})")
 

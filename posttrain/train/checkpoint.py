@@ -52,15 +52,23 @@ class Checkpoints:
 
     def __init__(self, root: Path, every: int, keep: int = 0):
         self.root, self.every, self.keep = root, every, keep
+        self.protected: Path | None = None  # a checkpoint pruning keeps (early stopping's best)
+
+    def due(self, step: int) -> bool:
+        """Whether `train.save_every` writes a checkpoint after `step`."""
+        return bool(self.every) and step % self.every == 0
 
     def after_step(self, engine, step: int, run_state: dict) -> None:
-        if self.every and step % self.every == 0:
+        if self.due(step):
             self.write(engine, step, run_state)
+
+    def path(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"step_{step}"
 
     def write(self, engine, step: int, run_state: dict) -> Path:
         """checkpoints/step_`step`, whole or not at all; `run_state` is what the loop needs back (JSON)."""
         backend, parent = engine.backend, self.root / "checkpoints"
-        tmp, final = parent / f".step_{step}.tmp", parent / f"step_{step}"
+        tmp, final = parent / f".step_{step}.tmp", self.path(step)
         if backend.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # a write a kill interrupted
             tmp.mkdir(parents=True)
@@ -80,9 +88,11 @@ class Checkpoints:
         return final
 
     def prune(self) -> None:
-        """Removes all but the newest `keep` complete checkpoints."""
+        """Removes all but the newest `keep` complete checkpoints, and the protected one."""
         if self.keep:
             for old in complete(self.root / "checkpoints")[: -self.keep]:
+                if self.protected is not None and old.name == self.protected.name:
+                    continue
                 gone = old.with_name(f".{old.name}.old")  # renamed first, so a kill never leaves half a step_N
                 old.rename(gone)
                 shutil.rmtree(gone)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -109,3 +110,61 @@ class Schedule:
     @property
     def after_loop(self) -> bool:
         return self.on and not self.every
+
+
+class EarlyStop:
+    """Early stopping with rollback to the best evaluation (`eval.stop_on`, `patience`, `min_delta`).
+
+    At each evaluation of the loop it takes the watched value: the held-out accuracy (higher is better), or the mean
+    of the steps' training KL to the reference since the previous evaluation (lower is better). We take the training
+    KL, measured on the step's own samples, rather than a KL on held-out prompts, which would cost a reference forward
+    on the evaluation's samples; it is the quantity the KL penalty acts on. An evaluation is worse when it is worse
+    than the best so far by more than `min_delta` of the best (relative: 0.05 is 5%); `patience` worse ones in a row
+    stop the run. The seed's rule, "stop when validation KL grows 5% over 3 evaluations", is stop_on=kl with the
+    defaults. The run's final model is then the best evaluation's, whose checkpoint the loop keeps.
+    """
+
+    def __init__(self, cfg: EvalConfig):
+        self.metric, self.patience, self.delta = cfg.stop_on, cfg.patience, cfg.min_delta
+        self.best, self.best_step, self.worse, self.kls = None, None, 0, []
+        self.best_evaluation: dict | None = None  # the best evaluation's report, the run's eval_after on rollback
+
+    def state_dict(self, checkpoint: Path | None) -> dict:
+        """What a resumed run needs back (JSON), with the best evaluation's checkpoint."""
+        return {"best": self.best, "best_step": self.best_step, "worse": self.worse, "kls": self.kls,
+                "best_evaluation": self.best_evaluation, "checkpoint": checkpoint.name if checkpoint else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step, self.worse, self.kls = state["best"], state["best_step"], state["worse"], state["kls"]
+        self.best_evaluation = state["best_evaluation"]
+
+    @property
+    def on(self) -> bool:
+        return self.metric != "none"
+
+    def track(self, metrics: dict) -> None:
+        """Every step's metrics, for the mean KL since the last evaluation."""
+        if "kl" in metrics:
+            self.kls.append(metrics["kl"])
+
+    def judge(self, step: int, evaluation: dict) -> bool:
+        """Takes the evaluation at `step`; True when it is the best so far (the loop then saves a checkpoint)."""
+        if self.metric == "accuracy":
+            value, higher = evaluation["accuracy"], True
+        else:
+            value, higher = sum(self.kls) / max(len(self.kls), 1), False
+        self.kls = []
+        if self.best is None or (value > self.best if higher else value < self.best):
+            self.best, self.best_step, self.worse = value, step, 0
+            return True
+        margin = self.delta * abs(self.best)
+        worse = value < self.best - margin if higher else value > self.best + margin
+        self.worse = self.worse + 1 if worse else 0
+        return False
+
+    @property
+    def stop(self) -> bool:
+        return self.worse >= self.patience
+
+    def summary(self, stopped_at: int | None) -> dict:
+        return {"metric": self.metric, "best_step": self.best_step, "best_value": self.best, "stopped_at": stopped_at}

@@ -24,7 +24,7 @@ from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
 from posttrain.train.checkpoint import Checkpoints
 from posttrain.train.engine import Engine
-from posttrain.train.evaluation import Schedule
+from posttrain.train.evaluation import EarlyStop, Schedule
 from posttrain.train.rundir import RunDir, write_json
 from posttrain.train.tracking import Tracker
 
@@ -83,32 +83,56 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     backend.barrier()
     t = cfg.train
     steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
+    stopper, done, stopped_at = EarlyStop(cfg.eval), start, None
+    if state is not None and "early_stop" in state:
+        stopper.load_state_dict(state["early_stop"])
+        name = state["early_stop"]["checkpoint"]
+        saver.protected = out / "checkpoints" / name if name else None
     if schedule.on and checkpoint is None:
         summary["eval_before"] = engine.evaluate()
     with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, start=start, report_to=cfg.trackers,
                  config=resolved, name=run_dir.final.name) as tracker:
         for step in range(start + 1, steps + 1):
             metrics = {"step": step, **engine.step()}
+            stopper.track(metrics)
+            best = False
             if schedule.in_loop(step):
                 summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
                 metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
+                best = stopper.on and stopper.judge(step, summary["eval_after"])
+                if best:
+                    stopper.best_evaluation = summary["eval_after"]
             metrics["wall_seconds"] = elapsed + time.perf_counter() - t_start
             tracker.log(metrics)
+            done = step
             checkpoints.crash_point("step", step)  # fault injection: logged, not yet saved
             run_state = {"wall_seconds": metrics["wall_seconds"], "model_path": str(Path(model_path).resolve()),
                          "evaluations": {k: summary[k] for k in ("eval_before", "eval_after") if k in summary},
                          "skipped": [engine.skipped_steps, engine.skipped_in_a_row], "config": resolved}
+            if stopper.on:  # where the best checkpoint is, as it will be once this step's is written
+                run_state["early_stop"] = stopper.state_dict(saver.path(step) if best else saver.protected)
             if t.max_skipped_steps and engine.skipped_in_a_row >= t.max_skipped_steps:
                 saved = saver.write(engine, step, run_state)
                 raise TrainingError(f"train.max_skipped_steps: {engine.skipped_in_a_row} steps in a row had a "
                                     f"non-finite loss or gradient norm and were skipped; stopped at step {step} "
                                     f"(checkpoint: {saved})")
-            saver.after_step(engine, step, run_state)
+            if best:  # the checkpoint a run that stops early rolls back to, kept whatever keep_checkpoints says
+                saver.protected = saver.write(engine, step, run_state)
+            elif saver.due(step):
+                saver.write(engine, step, run_state)
             backend.barrier()
+            if stopper.stop:
+                stopped_at = step
+                break
     if schedule.after_loop:
         summary["eval_after"] = engine.evaluate()
+    if stopper.on:
+        summary["early_stop"] = stopper.summary(stopped_at)
+        if stopper.best_step is not None and stopper.best_step != done:  # roll back to the best evaluation's model
+            engine.load_training_state(saver.protected / checkpoints.TRAINING_STATE)
+            summary["eval_after"] = stopper.best_evaluation
     saver.final(engine)
-    summary.update(steps=steps, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
+    summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
                    memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
                    output_dir=str(run_dir.final))
     if main:
