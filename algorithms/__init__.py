@@ -15,6 +15,7 @@ from posttrain.algorithms.base import REGISTRY, Algorithm, get, register
 
 __all__ = ["REGISTRY", "Algorithm", "get", "register"]
 
-# The built-in methods register themselves on import, in the order of the paper's Table 10 (the order listings use).
-for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo"):
+# The built-in methods register themselves on import, in the order of the paper's Table 10 (the order listings use),
+# then GRPO's family in the order of publication.
+for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "gspo"):
     importlib.import_module(f"posttrain.algorithms.{_module}")

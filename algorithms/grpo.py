@@ -18,8 +18,13 @@ Gradient coefficient (unified view, Eq. 21): d/dlogπθ of the per-token term gi
 which with μ = 1 (ρ = 1, never clipped) is the paper's Â_{i,t} + β(π_ref/πθ − 1).
 
 Deviations from the paper:
-    1. The std gets `eps` added (as in most implementations) so groups with equal rewards give Â = 0, not NaN;
-       `scale_std=false` drops the division altogether (Dr. GRPO, arXiv:2503.20783).
+    1. The std gets `eps` added (as in most implementations) so groups with equal rewards give Â = 0, not NaN.
+       `adv_norm` picks the group normalisation (`group_advantages`): `mean_std`, the paper's; `none`, r − mean
+       (Dr. GRPO, arXiv:2503.20783; the older `scale_std=false` still means this); `median_mad`, the robust
+       (r − median) / (1.4826·MAD + eps) with MAD = median |r − median| over the group (Hampel 1974, JASA 69:383;
+       1.4826 = 1/Φ⁻¹(3/4) makes 1.4826·MAD a consistent estimate of σ for normal data). The median of a group of
+       even size is the mean of its two middle values. MAD is 0 once more than half of a group agree (most groups
+       of 0/1 rewards), and Â would be ±1/eps; the scale is then √(π/2)·mean |r − median|, also consistent for σ.
     2. `clip_eps_high` allows a separate upper clip bound (DAPO "clip-higher", arXiv:2503.14476); off by default.
     3. `mask_truncated` drops completions that ran out of tokens from the loss (DAPO's overlong filtering); off by
        default.
@@ -37,7 +42,9 @@ Metrics:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -46,6 +53,10 @@ from posttrain.algorithms.ppo import clipped_coefficient
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+
+ADV_NORMS = ("mean_std", "median_mad", "none")
+MAD_TO_STD = 1.4826  # 1/Φ⁻¹(3/4): σ ≈ 1.4826·MAD for normal data
+MEAN_AD_TO_STD = math.sqrt(math.pi / 2)  # σ = √(π/2)·E|x − median| for normal data
 
 
 @dataclass
@@ -60,16 +71,30 @@ class GRPOConfig:
     """Upper ε if different from `clip_eps` (DAPO clip-higher); null uses `clip_eps`."""
     mu: int = 1
     """μ: optimizer steps on each batch of samples, against the stored old log-probs."""
-    scale_std: bool = True
-    """Divide advantages by the group's reward std; false is Dr. GRPO's unscaled advantage."""
+    adv_norm: str = "mean_std"
+    """Group normalisation of Â: mean_std (paper), none (r − mean, Dr. GRPO) or median_mad (robust; see deviation 1)."""
+    scale_std: bool | None = None
+    """Deprecated, kept for old configs: false is adv_norm=none, true adv_norm=mean_std; null: use adv_norm."""
     eps: float = 1e-4
-    """Added to the group std before dividing."""
+    """Added to the group's scale (std, or 1.4826·MAD) before dividing."""
     mask_truncated: bool = False
     """Leave completions that hit `rollout.max_new_tokens` without EOS out of the loss."""
 
+    MIN_GROUP: ClassVar[int] = 2  # G below this leaves nothing to compare with; a method without groups lowers it
+
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ConfigError(f"group_size: GRPO needs at least 2 samples per prompt (got {self.group_size})")
+        if self.group_size < self.MIN_GROUP:
+            method = type(self).__name__.removesuffix("Config")
+            raise ConfigError(f"group_size: {method} needs at least {self.MIN_GROUP} samples per prompt (got "
+                              f"{self.group_size})")
+        if self.adv_norm not in ADV_NORMS:
+            raise ConfigError(f"adv_norm: unknown {self.adv_norm!r}; known: {', '.join(ADV_NORMS)}")
+        if self.scale_std is not None:  # the older key, folded into adv_norm; a contradiction is an error
+            allowed = ("mean_std",) if self.scale_std else ("mean_std", "none")  # mean_std: also adv_norm's default
+            if self.adv_norm not in allowed:
+                raise ConfigError(f"scale_std={str(self.scale_std).lower()} and adv_norm={self.adv_norm} disagree; "
+                                  "scale_std is deprecated: give adv_norm alone")
+            self.adv_norm = "mean_std" if self.scale_std else "none"
         if self.beta < 0:
             raise ConfigError(f"beta: must be ≥ 0 (got {self.beta})")
         for key in ("clip_eps", "clip_eps_high", "eps"):
@@ -97,10 +122,35 @@ def group_stats(reward: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor
     return mean[idx], var.sqrt()[idx]  # [B], [B]
 
 
-def group_advantages(reward: torch.Tensor, group: torch.Tensor, scale_std: bool, eps: float) -> torch.Tensor:
-    """Â_i = (r_i − mean of its group) / (std of its group + eps); [B] -> [B]."""
+def group_median(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Median of each sample's group, the mean of the two middle values when its size is even; [B] -> [B]."""
+    _, idx, size = torch.unique(group, return_inverse=True, return_counts=True)  # idx [B], size [n_groups]
+    by_value = torch.argsort(x, stable=True)  # [B]
+    order = by_value[torch.argsort(idx[by_value], stable=True)]  # [B] by group, then by value within the group
+    start = size.cumsum(0) - size  # [n_groups] where each group begins in `order`
+    ranked = x[order]  # [B]
+    return ((ranked[start + (size - 1) // 2] + ranked[start + size // 2]) / 2)[idx]  # [B]
+
+
+def group_advantages(reward: torch.Tensor, group: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
+    """Â_i from the rewards of its group, by `norm` (one of ADV_NORMS); [B] -> [B].
+
+    mean_std: (r_i − mean) / (std + eps);  none: r_i − mean;  median_mad: (r_i − median) / (1.4826·MAD + eps), with
+    √(π/2)·mean |r − median| as the scale where MAD is 0."""
+    if norm == "median_mad":
+        median = group_median(reward, group)  # [B]
+        dev = (reward - median).abs()  # [B]
+        scale = MAD_TO_STD * group_median(dev, group)  # [B]
+        scale = torch.where(scale > 0, scale, MEAN_AD_TO_STD * group_stats(dev, group)[0])  # [B]
+        return (reward - median) / (scale + eps)
     mean, std = group_stats(reward, group)
-    return (reward - mean) / (std + eps) if scale_std else reward - mean
+    return (reward - mean) / (std + eps) if norm == "mean_std" else reward - mean
+
+
+def k3_coefficient(batch: Batch, logp: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GC of the per-token penalty −β·D_KL (k3, Eq. 4), β(π_ref/πθ − 1) [B, R], and the masked mean of k3 []."""
+    ref_ratio = torch.exp(batch.ref_logp - logp)  # [B, R] π_ref / πθ
+    return beta * (ref_ratio - 1), masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)
 
 
 @register("grpo")
@@ -124,7 +174,7 @@ class GRPO(Algorithm):
     @staticmethod
     def prepare(batch: Batch, cfg: GRPOConfig) -> tuple[Batch, dict[str, torch.Tensor]]:
         # Group statistics use the whole batch, before it is split into micro-batches.
-        adv = group_advantages(batch.reward, batch.group, cfg.scale_std, cfg.eps)  # [B]
+        adv = group_advantages(batch.reward, batch.group, cfg.adv_norm, cfg.eps)  # [B]
         mask = batch.mask
         if cfg.mask_truncated:
             mask = mask * (~batch.truncated)[:, None].to(mask.dtype)  # [B, R]
@@ -140,7 +190,6 @@ class GRPO(Algorithm):
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
         gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
         if cfg.beta > 0:
-            ref_ratio = torch.exp(batch.ref_logp - logp)  # [B, R] π_ref / πθ
-            gc = gc + cfg.beta * (ref_ratio - 1)
-            metrics["kl"] = masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)
+            kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
+            gc = gc + kl_gc
         return gc, metrics

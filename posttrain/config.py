@@ -170,6 +170,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
+        raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
+                          f"with these settings samples no groups (one completion per prompt, or none)")
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
                           f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")

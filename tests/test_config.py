@@ -40,7 +40,7 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", ["algorithm.group_size=1"], "algorithm.group_size: GRPO needs at least 2"),
     ("grpo_math", ["algorithm.clip_eps=0"], "algorithm.clip_eps: must be > 0"),
     ("grpo_math", ["algorithm.beta=-0.1"], "algorithm.beta: must be ≥ 0"),
-    ("grpo_math", ["algorithm.name=gpro"], "algorithm.name: unknown algorithm 'gpro'; did you mean 'grpo'?"),
+    ("grpo_math", ["algorithm.name=grop"], "algorithm.name: unknown algorithm 'grop'; did you mean 'grpo'?"),
     ("grpo_math", ["train.loss_agg=mean"], "train.loss_agg: unknown mode 'mean'"),
     ("grpo_math", ["rollout.temperature=0"], "rollout.temperature: must be > 0"),
     ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),

@@ -8,7 +8,7 @@ import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
 from posttrain.algorithms import get
-from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_stats
+from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_median, group_stats
 from posttrain.core.aggregation import MODES, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -21,9 +21,9 @@ def test_group_advantages_hand_worked():
     Group 1 rewards [1, 1] (std 0) gives Â = 0. The groups are interleaved to show order does not matter."""
     reward = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     group = torch.tensor([0, 1, 0, 0, 1, 0])
-    adv = group_advantages(reward, group, scale_std=True, eps=0.0 + 1e-12)
+    adv = group_advantages(reward, group, "mean_std", eps=0.0 + 1e-12)
     torch.testing.assert_close(adv, torch.tensor([0.86603, 0.0, -0.86603, -0.86603, 0.0, 0.86603]), atol=1e-4, rtol=0)
-    unscaled = group_advantages(reward, group, scale_std=False, eps=1e-4)
+    unscaled = group_advantages(reward, group, "none", eps=1e-4)
     torch.testing.assert_close(unscaled, torch.tensor([0.5, 0.0, -0.5, -0.5, 0.0, 0.5]))
 
 
@@ -34,8 +34,52 @@ def test_group_of_one_has_zero_advantage():
     group = torch.tensor([0, 0, 7])
     _, std = group_stats(reward, group)
     torch.testing.assert_close(std, torch.tensor([0.70711, 0.70711, 0.0]), atol=1e-5, rtol=0)
-    adv = group_advantages(reward, group, scale_std=True, eps=1e-4)
+    adv = group_advantages(reward, group, "mean_std", eps=1e-4)
     torch.testing.assert_close(adv, torch.tensor([0.70701, -0.70701, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_group_median_hand_worked():
+    """Groups interleaved: group 0 holds [3, 1, 2] (odd: the middle value 2), group 1 [4, 0, 10, 1] (even: the mean
+    of the two middle values 1 and 4, 2.5), group 2 the single value 7."""
+    x = torch.tensor([3.0, 4.0, 1.0, 0.0, 7.0, 10.0, 2.0, 1.0])
+    group = torch.tensor([0, 1, 0, 1, 2, 1, 0, 1])
+    torch.testing.assert_close(group_median(x, group), torch.tensor([2.0, 2.5, 2.0, 2.5, 7.0, 2.5, 2.0, 2.5]))
+
+
+def test_median_mad_advantages_hand_worked():
+    """adv_norm=median_mad, (r − median) / (1.4826·MAD + eps), eps = 1e-4, groups interleaved:
+
+    group 0 [0, 1, 5]: median 1, |r − 1| = [1, 0, 4], MAD 1, scale 1.4826 -> Â = [−1, 0, 4] / 1.4827
+        = [−0.67445, 0, 2.69778];
+    group 1 [0, 1, 2, 10]: median (1 + 2)/2 = 1.5, |r − 1.5| = [1.5, 0.5, 0.5, 8.5], MAD (0.5 + 1.5)/2 = 1 ->
+        Â = [−1.5, −0.5, 0.5, 8.5] / 1.4827 = [−1.01167, −0.33722, 0.33722, 5.73278];
+    group 2 [1, 0, 0, 0] (0/1 rewards, 3 of 4 agree): median 0, |r| = [1, 0, 0, 0], MAD 0, so the scale is
+        √(π/2)·mean |r − median| = 1.25331·0.25 = 0.31333 -> Â = [1/0.31343, 0, 0, 0] = [3.19052, 0, 0, 0];
+    group 3 [1, 1] (constant): MAD 0 and mean |r − median| 0, Â = 0/eps = 0.
+    """
+    reward = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 0.0, 5.0, 10.0, 0.0, 1.0, 0.0, 1.0])
+    group = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 1, 2, 3])
+    adv = group_advantages(reward, group, "median_mad", eps=1e-4)
+    want = torch.tensor([-0.67445, -1.01167, 3.19052, 0.0, 0.0, 0.33722, 0.0, 2.69778, 5.73278, 0.0, -0.33722, 0.0,
+                         0.0])
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, adv_norm", [({}, "mean_std"), ({"scale_std": False}, "none"),
+                                              ({"scale_std": True}, "mean_std"),
+                                              ({"scale_std": False, "adv_norm": "none"}, "none"),
+                                              ({"adv_norm": "median_mad"}, "median_mad")])
+def test_scale_std_is_an_alias_of_adv_norm(kwargs, adv_norm):
+    """The deprecated `scale_std` still works: false is adv_norm=none, true adv_norm=mean_std."""
+    assert GRPOConfig(**kwargs).adv_norm == adv_norm
+
+
+@pytest.mark.parametrize("kwargs", [{"scale_std": False, "adv_norm": "median_mad"},
+                                    {"scale_std": True, "adv_norm": "none"},
+                                    {"scale_std": True, "adv_norm": "median_mad"}])
+def test_scale_std_contradicting_adv_norm(kwargs):
+    with pytest.raises(ConfigError, match="scale_std=.* and adv_norm=.* disagree"):
+        GRPOConfig(**kwargs)
 
 
 def test_prepare_metrics_hand_worked():
@@ -69,7 +113,7 @@ def random_batch(B=6, R=5, G=3, seed=0, spread=0.0):
 
 def paper_objective(batch, cfg, mode, norm):
     """J_GRPO (Eq. 3) with the clipped ratio and the k3 KL of Eq. 4, written out."""
-    adv = group_advantages(batch.reward, batch.group, cfg.scale_std, cfg.eps)[:, None]
+    adv = group_advantages(batch.reward, batch.group, cfg.adv_norm, cfg.eps)[:, None]
     high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
 
     def J(logp):
@@ -87,8 +131,9 @@ def paper_objective(batch, cfg, mode, norm):
 @pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1-ratio1", "ratio-off-1"])
 @pytest.mark.parametrize("cfg", [GRPOConfig(group_size=3, beta=0.04), GRPOConfig(group_size=3, beta=0.0),
                                  GRPOConfig(group_size=3, beta=0.1, clip_eps=0.1, clip_eps_high=0.3),
-                                 GRPOConfig(group_size=3, beta=0.02, scale_std=False)],
-                         ids=["default", "beta0", "clip-higher", "dr-grpo"])
+                                 GRPOConfig(group_size=3, beta=0.02, scale_std=False),
+                                 GRPOConfig(group_size=3, beta=0.02, adv_norm="median_mad")],
+                         ids=["default", "beta0", "clip-higher", "dr-grpo", "median-mad"])
 def test_gradient_matches_objective(mode, spread, cfg):
     batch, logp = random_batch(spread=spread)
     prepared, _ = GRPO.prepare(batch, cfg)
@@ -147,7 +192,8 @@ def test_needs():
 
 @pytest.mark.parametrize("kwargs, key", [({"group_size": 1}, "group_size"), ({"clip_eps": 0.0}, "clip_eps"),
                                          ({"beta": -0.1}, "beta"), ({"mu": 0}, "mu"), ({"clip_eps_high": -1.0},
-                                                                                       "clip_eps_high")])
+                                                                                       "clip_eps_high"),
+                                         ({"adv_norm": "mad"}, "adv_norm")])
 def test_out_of_range(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         GRPOConfig(**kwargs)
@@ -177,7 +223,7 @@ def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
 
     weight = torch.clamp(torch.exp(at_sampling - batch.rollout_logp), max=cap)  # [B, R], a constant
     objective = paper_objective(batch, cfg, mode, norm)
-    adv = group_advantages(batch.reward, batch.group, cfg.scale_std, cfg.eps)[:, None]
+    adv = group_advantages(batch.reward, batch.group, cfg.adv_norm, cfg.eps)[:, None]
 
     def weighted(lp):  # Eq. 3 + 4 with every token's term times its weight, written out
         old = batch.old_logp if batch.old_logp is not None else lp.detach()

@@ -176,3 +176,14 @@ def test_overlong_settings_are_checked():
         config.load("grpo_math", ["rewards.overlong_buffer=99"])
     with pytest.raises(ConfigError, match="rewards.overlong_penalty: must be ≥ 0"):
         config.load("grpo_math", ["rewards.overlong_penalty=-1"])
+
+
+def test_dynamic_sampling_needs_groups():
+    """REINFORCE++ with one sample per prompt, or an offline method, has no groups to filter."""
+    from posttrain import config
+    from posttrain.core.errors import ConfigError
+
+    for recipe, overrides in (("grpo_math", ["algorithm.name=reinforce_pp", "algorithm.group_size=1"]),
+                              ("sft_math", [])):
+        with pytest.raises(ConfigError, match="rollout.dynamic_sampling: keeps the groups of samples whose rewards"):
+            config.load(recipe, ["rollout.dynamic_sampling=true", *overrides])
