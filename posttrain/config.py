@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -142,8 +143,10 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     path = recipe_path(recipe)
     try:
         base = OmegaConf.load(path)
-    except (OSError, OmegaConfBaseException, ValueError) as err:
-        raise ConfigError(f"recipe {path}: cannot be read as YAML ({str(err).splitlines()[0]})") from None
+    except (OSError, OmegaConfBaseException, ValueError, yaml.YAMLError) as err:  # a scanner error is none of the first
+        where = getattr(err, "problem_mark", None)
+        at = f", line {where.line + 1}" if where is not None else ""
+        raise ConfigError(f"recipe {path}: cannot be read as YAML{at} ({str(err).splitlines()[0]})") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")

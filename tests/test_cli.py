@@ -143,6 +143,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, fragments):
                           *fragments)
 
 
+def test_a_recipe_that_is_not_yaml(tmp_path):
+    """A colon in an unquoted value: YAML's scanner error, as one line naming the file and the line."""
+    (tmp_path / "mine.yaml").write_text("algorithm: {name: grpo}\ndescription: GRPO: mine\n")
+    assert_one_line_error(posttrain("run", f"recipe={tmp_path / 'mine.yaml'}", cwd=tmp_path),
+                          f"recipe {tmp_path / 'mine.yaml'}: cannot be read as YAML, line 2")
+
+
 def test_empty_data_and_missing_field(tmp_path, tiny_model_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
