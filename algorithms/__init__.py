@@ -16,6 +16,6 @@ from posttrain.algorithms.base import REGISTRY, Algorithm, get, register
 __all__ = ["REGISTRY", "Algorithm", "get", "register"]
 
 # The built-in methods register themselves on import, in the order of the paper's Table 10 (the order listings use),
-# then GRPO's family in the order of publication.
-for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "gspo"):
+# then GRPO's family in the order of publication (GRPO+PS, from GRPO's own paper, first).
+for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo", "grpo_ps", "rloo", "reinforce_pp", "gspo"):
     importlib.import_module(f"posttrain.algorithms.{_module}")

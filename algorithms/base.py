@@ -36,7 +36,8 @@ class Algorithm:
 
     @staticmethod
     def needs(cfg: Any) -> frozenset[str]:
-        """What the engine must provide: any of "reward", "old_logp", "ref_logp", "values" (loads a critic)."""
+        """What the engine must provide: any of "reward", "old_logp", "ref_logp", "values" (loads a critic),
+        "step_reward" (the judge's step rewards in `batch.extra`; needs `rewards.process`)."""
         return frozenset()
 
     @staticmethod

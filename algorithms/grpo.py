@@ -185,8 +185,9 @@ class GRPO(Algorithm):
     @staticmethod
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, R = logp.shape
-        assert batch.adv.shape == (B,) and batch.mask.shape == (B, R), "GRPO expects adv [B] and mask [B, R]"
-        adv = batch.adv[:, None]  # [B, 1]
+        assert batch.adv.shape in ((B,), (B, R)) and batch.mask.shape == (B, R), \
+            "GRPO expects adv [B] (outcome supervision) or [B, R] (process supervision, grpo_ps) and mask [B, R]"
+        adv = batch.adv[:, None] if batch.adv.dim() == 1 else batch.adv  # [B, 1] or [B, R]
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
         gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
         if cfg.beta > 0:

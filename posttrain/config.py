@@ -173,6 +173,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    check_step_rewards(cfg, plugin)
     if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
         raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
                           f"with these settings samples no groups (one completion per prompt, or none)")
@@ -190,6 +191,17 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return cfg, resolved
+
+
+def check_step_rewards(cfg: RunConfig, plugin) -> None:
+    """A method that trains on step rewards needs a source of them (`rewards.process`), and a process reward model
+    needs its directory."""
+    process = cfg.rewards.process
+    if "step_reward" in plugin.needs(cfg.algorithm) and process == "none":
+        raise ConfigError(f"rewards.process: {plugin.name} trains on step rewards; set rewards.process=steps (the "
+                          "embedded task's rule) or model (a process reward model at reward_model.process_path)")
+    if process == "model" and not cfg.reward_model.process_path:
+        raise ConfigError("reward_model.process_path: rewards.process=model needs a process reward model directory")
 
 
 def check_trackers(cfg: RunConfig) -> None:
@@ -230,7 +242,7 @@ def rewards_config(values: Any) -> RewardsConfig:
 def rewards_tree(cfg: RewardsConfig) -> dict:
     """The `rewards` group in its flat form, as a recipe writes it (config.yaml, `posttrain config`)."""
     return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s,
-            "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty}
+            "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty, "process": cfg.process}
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:

@@ -6,7 +6,9 @@ incorrect one) and held-out evaluation all ask it, so "reward" and "correct" mea
 - `score` is what the policy is trained on: the weighted rule rewards of `rewards`, plus a reward model's score
   times `reward_model.weight` when one is configured;
 - `correct` is the task's verdict: the accuracy rule on the row's reference answer. Evaluation reports it, and RFT
-  and DPO filter on it, whatever rewards the run trains with.
+  and DPO filter on it, whatever rewards the run trains with;
+- `score_steps` is the reward of each step, for the methods that train on step rewards (`rewards.process`: the
+  embedded task's rule, `posttrain.rewards.steps`, or a process reward model, `posttrain.rewards.process_model`).
 
 Reward functions see the completion, the reference answer and the prompt text of each sample. Each call runs in a
 worker process, one completion at a time, within `rewards.timeout_s` (`posttrain.rewards.base`): a reward that
@@ -20,6 +22,7 @@ import torch
 from posttrain import rewards
 from posttrain.data import prompt_texts
 from posttrain.rewards.accuracy import final_answers, verdicts
+from posttrain.rewards.steps import step_scores
 from posttrain.schema import DataConfig, RewardsConfig, RunConfig, weights_dtype
 
 
@@ -33,12 +36,13 @@ class Judge:
         reward_model: a callable (prompts, completions) -> scores, or None.
         reward_model_weight: its weight in the total.
         tokenizer: the policy's; with a chat template, rewards see the prompt as the template rendered it.
+        process_model: a callable (prompts, completions) -> [(char_end, score)] per step, for rewards.process=model.
     """
 
     def __init__(self, data: DataConfig, rules: RewardsConfig, reward_model=None,
-                 reward_model_weight: float = 1.0, tokenizer=None):
+                 reward_model_weight: float = 1.0, tokenizer=None, process_model=None):
         self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
-        self.tokenizer = tokenizer
+        self.tokenizer, self.process, self.process_model = tokenizer, rules.process, process_model
         self.rules = rewards.combine(rules, answer_format=data.answer_format)
 
     def answers(self, rows: list[dict]) -> list[str]:
@@ -59,6 +63,17 @@ class Judge:
                  **{f"reward/{k}": float(n) for k, n in counts.items()}}
         return torch.tensor(total), stats
 
+    def score_steps(self, rows: list[dict], completions: list[str]) -> list[list[tuple[int, float]]]:
+        """(char_end, reward) for each step of each completion of `rows`, steps in order; char_end is the offset in
+        the completion just past the step. By `rewards.process`: `steps` checks each line of the embedded task by rule
+        (from the row's question), `model` asks the process reward model (prompt text + completion)."""
+        if self.process == "steps":
+            return [step_scores(str(r[self.data.prompt_field]), c) for r, c in zip(rows, completions, strict=True)]
+        if self.process == "model" and self.process_model is not None:
+            return self.process_model(prompt_texts(rows, self.data, self.tokenizer), completions)
+        raise ValueError(f"score_steps: no process reward (rewards.process={self.process}, model loaded: "
+                         f"{self.process_model is not None})")
+
     def correct(self, rows: list[dict], completions: list[str]) -> list[bool]:
         """The accuracy rule's verdict for each completion of `rows` (a failed check is not correct)."""
         return [v is True for v in verdicts(completions, self.answers(rows), self.data.answer_format)]
@@ -69,13 +84,19 @@ class Judge:
         return final_answers(completions, self.data.answer_format)
 
 
-def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokenizer=None) -> Judge:
-    """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, and
-    placed by `place` (the backend's, which shards it where weights are sharded) when given."""
-    model = None
+def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokenizer=None,
+          with_process_model: bool = False) -> Judge:
+    """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, the
+    process reward model (`reward_model.process_path`, with rewards.process=model) only when it trains on step
+    rewards, each placed by `place` (the backend's, which shards it where weights are sharded) when given."""
+    model = process_model = None
+    dtype = weights_dtype(cfg.train.precision, trained=False)
     if with_reward_model and cfg.reward_model.path:
         from posttrain.rewards.model import RewardModel
 
-        model = RewardModel(cfg.reward_model.path, device, dtype=weights_dtype(cfg.train.precision, trained=False),
-                            place=place)
-    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight, tokenizer)
+        model = RewardModel(cfg.reward_model.path, device, dtype=dtype, place=place)
+    if with_process_model and cfg.rewards.process == "model":
+        from posttrain.rewards.process_model import ProcessRewardModel
+
+        process_model = ProcessRewardModel(cfg.reward_model.process_path, device, dtype=dtype, place=place)
+    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight, tokenizer, process_model)

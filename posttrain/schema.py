@@ -355,14 +355,20 @@ class RewardModelConfig:
     """Local sequence-classification model directory whose score is added to the rule rewards; null: none."""
     weight: float = 1.0
     """Weight of the reward model's score."""
+    process_path: str | None = None
+    """Local token-classification model directory that scores each step (rewards.process=model): a process reward
+    model (rewards/process_model.py); null: none."""
+
+
+PROCESS_REWARDS = ("none", "steps", "model")  # rewards.process: where step rewards come from
 
 
 @dataclass
 class RewardsConfig:
-    """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside two
+    """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside the
     reserved keys, e.g. `{accuracy: 1.0, format: 0.1, custom: {my_rewards.py:brevity: 0.5}, timeout_s: 10}`."""
 
-    RESERVED = ("custom", "timeout_s", "overlong_buffer", "overlong_penalty")  # the keys that are not reward names
+    RESERVED = ("custom", "timeout_s", "overlong_buffer", "overlong_penalty", "process")  # not reward names
 
     weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
     """Registered rule rewards (rewards/) and their weights, written straight in the group: {accuracy: 1.0,
@@ -379,8 +385,13 @@ class RewardsConfig:
     methods."""
     overlong_penalty: float = 1.0
     """The weight of the overlong punishment: what a completion that reaches the budget loses."""
+    process: str = "none"
+    """Step rewards for the methods that train on them (grpo_ps): none; steps, the embedded task's rule, each worked
+    line checked (rewards/steps.py); model, a process reward model at reward_model.process_path."""
 
     def __post_init__(self):
+        if self.process not in PROCESS_REWARDS:
+            raise ConfigError(f"process: unknown {self.process!r}; known: {', '.join(PROCESS_REWARDS)}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
         if self.overlong_buffer < 0:

@@ -21,8 +21,9 @@ def test_defaults_are_one_update_per_batch():
 
 
 def test_builtins_registered_in_table_order():
-    """Table 10's methods in its order, then GRPO's family in order of publication."""
-    assert list(REGISTRY)[:9] == ["sft", "rft", "online_rft", "dpo", "ppo", "grpo", "rloo", "reinforce_pp", "gspo"]
+    """Table 10's methods in its order, then GRPO's family in order of publication (GRPO+PS, from GRPO's paper, first)."""
+    assert list(REGISTRY)[:10] == ["sft", "rft", "online_rft", "dpo", "ppo", "grpo", "grpo_ps", "rloo", "reinforce_pp",
+                                   "gspo"]
     assert all(get(name).name == name for name in REGISTRY)
 
 
@@ -34,6 +35,6 @@ def test_a_name_registers_once():
 
 def test_unknown_name_lists_the_known_ones():
     # 'grop', not 'gpro': 'gpro' is as close to 'gspo' as to 'grpo', and difflib breaks the tie alphabetically
-    known = "known: dpo, grpo, gspo, online_rft, ppo, reinforce_pp, rft, rloo, sft"
+    known = "known: dpo, grpo, grpo_ps, gspo, online_rft, ppo, reinforce_pp, rft, rloo, sft"
     with pytest.raises(ConfigError, match=f"did you mean 'grpo'.*{known}"):
         get("grop")

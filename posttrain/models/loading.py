@@ -2,8 +2,9 @@
 
 A role is a head on the same kind of checkpoint: the policy and the reference are causal LMs, the critic is a
 token-classification model with one output per position (by default the policy's own weights with a new scalar head),
-and the reward model a sequence-classification model with one output. Every error names the config key that pointed
-at the directory, so the CLI can print it as one line.
+the reward model a sequence-classification model with one output, and a process reward model a token-classification
+model read at the ends of steps. Every error names the config key that pointed at the directory, so the CLI can
+print it as one line.
 
 Nothing in a checkpoint runs as code: weights load from safetensors only (a pickle, `pytorch_model.bin`, can run
 anything when unpickled) and `trust_remote_code=False` keeps a directory's own Python files (`auto_map`) unimported.
@@ -21,6 +22,7 @@ HEADS = {  # role kind -> (transformers Auto class, keyword arguments)
     "causal_lm": ("AutoModelForCausalLM", {}),
     "critic": ("AutoModelForTokenClassification", {"num_labels": 1}),
     "reward_model": ("AutoModelForSequenceClassification", {"num_labels": 1}),
+    "process_reward_model": ("AutoModelForTokenClassification", {}),  # its own num_labels (1 or 2) are kept
 }
 
 
@@ -49,7 +51,8 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
 
     Args:
         path: the model directory.
-        kind: "causal_lm" (policy, reference), "critic" (one value per position) or "reward_model" (one score).
+        kind: "causal_lm" (policy, reference), "critic" (one value per position), "reward_model" (one score) or
+            "process_reward_model" (a score per position, read at the ends of steps).
         dtype: float32, bfloat16 or float16.
         key: the config key that named `path`, for error messages.
         same_vocab_as: a tokenizer the model must share token for token (a critic scores the policy's tokens).

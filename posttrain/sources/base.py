@@ -38,6 +38,8 @@ class Deps:
     agree: Callable[[bool], bool] | None = None  # True when a flag is true on every process (a collective call where
     # weights are sharded, so that every process samples as many rounds); None: this process's flag
     rewards: RewardsConfig | None = None  # the rewards.* keys the source applies itself (the overlong punishment)
+    needs: frozenset[str] = frozenset()  # what the plugin asked the engine for (`Algorithm.needs`): a source reads
+    # the ones it provides ("step_reward": the judge's step rewards in the batch), never which method runs
 
 
 class Source:

@@ -12,6 +12,12 @@ what the filter kept.
 
 With `rewards.overlong_buffer` the source adds DAPO's soft overlong punishment to each reward (rewards/overlong.py):
 it needs the completions' token counts, which the judge's rules do not see.
+
+When the plugin needs step rewards ("step_reward", process supervision), the judge also scores each step
+(`Judge.score_steps`) and the source puts them on the sampled tokens as two [B, R] tensors in `batch.extra`:
+`step_reward` (each step's reward at its end token, 0 elsewhere) and `step_end` (1.0 at the end tokens); the end
+token of a step is found in the sampled ids themselves (`posttrain.data.steps`). Dynamic sampling still keeps groups
+by their outcome rewards.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from posttrain.core.batch import Batch, concat
 from posttrain.data import RowSampler, completion_texts, prompt_ids
+from posttrain.data.steps import step_tensors
 from posttrain.judge import Judge
 from posttrain.rewards.base import COUNTS
 from posttrain.rewards.overlong import overlong_penalty
@@ -35,16 +42,18 @@ class Online(Source):
     on_policy = True
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int, rollout: RolloutEngine,
-                 sampling: RolloutConfig, judge: Judge, n: int, agree=None, rewards: RewardsConfig | None = None):
+                 sampling: RolloutConfig, judge: Judge, n: int, agree=None, rewards: RewardsConfig | None = None,
+                 step_rewards: bool = False):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
         self.agree = agree or (lambda flag: flag)
         self.rewards = rewards or RewardsConfig()
+        self.step_rewards = step_rewards
 
     @classmethod
     def from_deps(cls, d) -> Online:
         return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt,
-                   d.agree, d.rewards)
+                   d.agree, d.rewards, "step_reward" in d.needs)
 
     def sample(self) -> tuple[Batch, dict]:
         """One round: `batch_size` new prompts, n samples each, judged."""
@@ -55,8 +64,11 @@ class Online(Source):
                                       max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
         stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum())}
         t0 = time.perf_counter()
-        batch.reward, reward_stats = self.judge.score([r for r in rows for _ in range(self.n)],
-                                                      completion_texts(self.tokenizer, batch))
+        rows, texts = [r for r in rows for _ in range(self.n)], completion_texts(self.tokenizer, batch)
+        batch.reward, reward_stats = self.judge.score(rows, texts)
+        if self.step_rewards:
+            steps = self.judge.score_steps(rows, texts)
+            batch.extra["step_reward"], batch.extra["step_end"] = step_tensors(self.tokenizer, batch, texts, steps)
         if self.rewards.overlong_buffer:
             penalty = self.rewards.overlong_penalty * overlong_penalty(batch.mask.sum(-1).cpu(), batch.truncated.cpu(),
                                                                        s.max_new_tokens, self.rewards.overlong_buffer)

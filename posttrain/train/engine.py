@@ -71,7 +71,7 @@ class Engine:
             policy = lora.apply(policy, adapters, model_path)
         uses_chat(self.tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
         self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze,
-                                 tokenizer=self.tokenizer)
+                                 tokenizer=self.tokenizer, with_process_model="step_reward" in self.needs)
         # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
         self.ref, self.ref_is_base = None, False
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
@@ -126,7 +126,7 @@ class Engine:
                 judge=self.judge,
                 score_reference=(lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference else None,
                 model_path=self.model_path, cache_dir=cache_root(cfg), agree=backend.agree,
-                rewards=cfg.rewards))
+                rewards=cfg.rewards, needs=frozenset(self.needs)))
         ref = self.ref
         if self.source.scores_reference:
             self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
