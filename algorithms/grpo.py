@@ -82,6 +82,12 @@ class GRPOConfig:
 
     MIN_GROUP: ClassVar[int] = 2  # G below this leaves nothing to compare with; a method without groups lowers it
 
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether β weighs the k3 penalty in the loss (GRPO); methods that put the KL in the reward instead, scored
+        with the sampling policy's log-probs, say false (RLOO, REINFORCE++: `kl_in_reward`)."""
+        return True
+
     def __post_init__(self):
         if self.group_size < self.MIN_GROUP:
             method = type(self).__name__.removesuffix("Config")
@@ -161,7 +167,8 @@ class GRPO(Algorithm):
 
     @staticmethod
     def needs(cfg: GRPOConfig) -> frozenset[str]:
-        return frozenset({"reward"} | ({"ref_logp"} if cfg.beta > 0 else set()) | ({"old_logp"} if cfg.mu > 1 else set()))
+        old = cfg.mu > 1 or (cfg.beta > 0 and not cfg.kl_in_loss)  # the KL in the reward is π_old's
+        return frozenset({"reward"} | ({"ref_logp"} if cfg.beta > 0 else set()) | ({"old_logp"} if old else set()))
 
     @staticmethod
     def samples_per_prompt(cfg: GRPOConfig) -> int:
@@ -190,7 +197,7 @@ class GRPO(Algorithm):
         adv = batch.adv[:, None] if batch.adv.dim() == 1 else batch.adv  # [B, 1] or [B, R]
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
         gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
-        if cfg.beta > 0:
+        if cfg.beta > 0 and cfg.kl_in_loss:
             kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
             gc = gc + kl_gc
         return gc, metrics

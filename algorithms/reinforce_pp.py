@@ -13,7 +13,8 @@ and maximise the PPO-clipped objective  J(θ) = E[ (1/|o|) Σ_t min(ρ_t Â_t, c
 
 Gradient coefficient: GC_t = Â_t · ρ_t · 1[ρ on the unclipped side of the min] (the KL is in the reward, as in PPO);
 with μ = 1 (ρ = 1) it is Â_t, REINFORCE with a normalised return. With `kl_in_reward=false` the reward has no KL
-term and GRPO's k3 penalty adds β(π_ref/πθ − 1) to GC.
+term and GRPO's k3 penalty adds β(π_ref/πθ − 1) to GC. This is `GRPO.coefficient` itself, given the token-level
+Â (`kl_in_loss` says where the KL is): only the advantage (`prepare`) differs.
 
 Deviations from the paper:
     1. Â is normalised over the batch this process holds (`ppo.whiten`: population std, eps 1e-8 inside the square
@@ -40,8 +41,8 @@ from typing import ClassVar
 import torch
 
 from posttrain.algorithms.base import register
-from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_advantages, k3_coefficient
-from posttrain.algorithms.ppo import clipped_coefficient, gae, kl_reward, whiten
+from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_advantages
+from posttrain.algorithms.ppo import gae, kl_reward, whiten
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -73,14 +74,14 @@ class ReinforcePPConfig(GRPOConfig):
             raise ConfigError("baseline: a group of one is its own mean, so every outcome reward would be 0; "
                               "use group_size > 1 or baseline=false")
 
+    @property
+    def kl_in_loss(self) -> bool:
+        return not self.kl_in_reward
+
 
 @register("reinforce_pp")
 class ReinforcePP(GRPO):
     Config = ReinforcePPConfig
-
-    @staticmethod
-    def needs(cfg: ReinforcePPConfig) -> frozenset[str]:
-        return GRPO.needs(cfg) | ({"old_logp"} if cfg.beta > 0 and cfg.kl_in_reward else set())
 
     @staticmethod
     def prepare(batch: Batch, cfg: ReinforcePPConfig) -> tuple[Batch, dict[str, torch.Tensor]]:
@@ -96,14 +97,3 @@ class ReinforcePP(GRPO):
         if in_reward:
             metrics["kl"] = masked_mean(batch.old_logp - batch.ref_logp, mask)
         return dataclasses.replace(batch, adv=whiten(returns, mask)), metrics  # whole batch, before it is split
-
-    @staticmethod
-    def coefficient(batch: Batch, logp: torch.Tensor, cfg: ReinforcePPConfig) -> tuple[torch.Tensor,
-                                                                                        dict[str, torch.Tensor]]:
-        assert batch.adv.shape == batch.mask.shape == logp.shape, "REINFORCE++ expects adv, mask and logp [B, R]"
-        old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
-        gc, metrics = clipped_coefficient(batch.adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)
-        if cfg.beta > 0 and not cfg.kl_in_reward:
-            kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
-            gc = gc + kl_gc
-        return gc, metrics

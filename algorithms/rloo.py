@@ -16,7 +16,8 @@ with log πθ(o_i|q) = Σ_t log πθ(o_{i,t}|q,o_{i,<t}). Here, as in GRPO, each
     J(θ) = E[ (1/G) Σ_i Σ_t min(ρ_{i,t} Â_i, clip(ρ_{i,t}, 1 − ε, 1 + ε_high) Â_i) ],   ρ_{i,t} = πθ/π_old per token.
 
 Gradient coefficient: GC_{i,t} = Â_i · ρ_{i,t} · 1[ρ on the unclipped side of the min]; with μ = 1 (ρ = 1) it is the
-paper's Â_i. With `kl_in_reward=false` the reward is r_i alone and GRPO's k3 penalty adds β(π_ref/πθ − 1).
+paper's Â_i. With `kl_in_reward=false` the reward is r_i alone and GRPO's k3 penalty adds β(π_ref/πθ − 1). This is
+`GRPO.coefficient` itself (`kl_in_loss` says where the KL is): only the advantage (`prepare`) differs.
 
 Deviations from the paper:
     1. The KL in the reward is the k1 estimate of the sampled sequence under the sampling policy, a constant of the
@@ -45,7 +46,6 @@ import torch
 
 from posttrain.algorithms.base import register
 from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_stats
-from posttrain.algorithms.ppo import clipped_coefficient
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 
@@ -64,6 +64,10 @@ class RLOOConfig(GRPOConfig):
         if self.adv_norm != "none":
             raise ConfigError(f"adv_norm: RLOO's advantage is not normalised; only none (got {self.adv_norm})")
 
+    @property
+    def kl_in_loss(self) -> bool:
+        return not self.kl_in_reward
+
 
 def leave_one_out(reward: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """Â_i = r_i − mean of the other n − 1 rewards of its group = n/(n − 1)·(r_i − group mean), 0 for a group of one;
@@ -79,10 +83,6 @@ class RLOO(GRPO):
     Config = RLOOConfig
 
     @staticmethod
-    def needs(cfg: RLOOConfig) -> frozenset[str]:
-        return GRPO.needs(cfg) | ({"old_logp"} if cfg.beta > 0 and cfg.kl_in_reward else set())
-
-    @staticmethod
     def prepare(batch: Batch, cfg: RLOOConfig) -> tuple[Batch, dict[str, torch.Tensor]]:
         reward, metrics = batch.reward, {}  # [B]
         if cfg.beta > 0 and cfg.kl_in_reward:
@@ -90,12 +90,3 @@ class RLOO(GRPO):
             reward, metrics["kl"] = reward - cfg.beta * kl, kl.mean()
         batch, group_metrics = GRPO.prepare(batch, cfg)  # the loss mask (mask_truncated) and the group metrics
         return dataclasses.replace(batch, adv=leave_one_out(reward, batch.group)), {**group_metrics, **metrics}
-
-    @staticmethod
-    def coefficient(batch: Batch, logp: torch.Tensor, cfg: RLOOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if not cfg.kl_in_reward:
-            return GRPO.coefficient(batch, logp, cfg)  # Â·ρ·1[unclipped] + β(π_ref/πθ − 1)
-        B, R = logp.shape
-        assert batch.adv.shape == (B,) and batch.mask.shape == (B, R), "RLOO expects adv [B] and mask [B, R]"
-        old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
-        return clipped_coefficient(batch.adv[:, None], logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)

@@ -4,8 +4,9 @@
     python bench/variants.py --recipes grpo_math,rloo_math --seeds 0,1 --steps 20
 
 Each recipe runs as shipped (`posttrain run recipe=R seed=S`), one run at a time in its own process, on the embedded
-default: the same cached SFT warm-up, task, rollout budget, learning rate, batch, group size and step count for all.
-What differs is each method's own definition, taken from its paper and tuned for none: GRPO (`grpo_math`), Dr. GRPO
+default: the same cached SFT warm-up, task, token budget per completion, learning rate, batch, group size and step
+count for all. What differs is each method's own definition, taken from its paper and tuned for none (so DAPO may
+sample up to 4 rounds a step, and GSPO takes μ = 2 updates per batch): GRPO (`grpo_math`), Dr. GRPO
 (`drgrpo_math`), DAPO (`dapo_math`), GSPO (`gspo_math`), RLOO (`rloo_math`), REINFORCE++ (`reinforce_pp_math`) and
 GRPO with process supervision (`grpo_ps_math`). The seed changes the data order and the samples, not the warm-up.
 

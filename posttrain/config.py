@@ -174,6 +174,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
     check_step_rewards(cfg, plugin)
+    if cfg.rewards.overlong_buffer and plugin.source != "online":
+        raise ConfigError(f"rewards.overlong_buffer: the overlong punishment shapes the rewards of samples drawn as "
+                          f"the run trains; {plugin.name} trains on no such samples")
     if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
         raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
                           f"with these settings samples no groups (one completion per prompt, or none)")

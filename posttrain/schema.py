@@ -325,14 +325,16 @@ class EvalConfig:
     n: int | None = None
     """Samples per problem behind pass@k's unbiased estimate (≥ k; more lowers its variance); null: k."""
     stop_on: str = "none"
-    """Early stopping, judged at each evaluation of `every`: none; accuracy, the held-out greedy accuracy (higher is
-    better); kl, the mean training KL to the reference since the previous evaluation (lower is better). The run stops
-    after `patience` evaluations in a row worse than the best by more than `min_delta`, and its final model is the
-    best evaluation's (posttrain/train/evaluation.py, EarlyStop)."""
+    """Early stopping, judged at each evaluation of `every` (posttrain/train/evaluation.py, EarlyStop): none;
+    accuracy, the held-out greedy accuracy: `patience` evaluations in a row below the best by more than `min_delta`
+    stop the run, whose model is then the best evaluation's; kl, the mean training KL to the reference since the
+    previous evaluation: `patience` evaluations in a row that each grew it by more than `min_delta` stop the run, whose
+    model is then that of the evaluation before the growth began."""
     patience: int = 3
-    """Evaluations in a row worse than the best before the run stops."""
+    """Evaluations in a row that count against the run before it stops."""
     min_delta: float = 0.05
-    """How much worse than the best, relatively, an evaluation must be to count: 0.05 is 5%."""
+    """How much worse an evaluation must be to count, relatively: 0.05 is 5% (below the best accuracy; above the
+    previous evaluation's KL)."""
 
     def __post_init__(self):
         for key, low in (("num_problems", 0), ("every", 0), ("batch_size", 1), ("k", 0), ("patience", 1)):

@@ -33,16 +33,22 @@ def test_accuracy_stops_after_patience_worse_evaluations():
 
 
 def test_kl_growing_five_percent_over_three_evaluations():
-    """The seed's rule: KL (lower is better) 1.0, then 1.04 (within 5%), 1.06, 1.10, 1.20: three in a row above
-    1.05 stop it at step 5; the best is the first. The mean KL since the previous evaluation is what is judged."""
+    """The seed's rule. KL 1.0, 1.02 (grew 2%: not counted, step 2 is now where a rollback goes), then 1.10 (+7.8%),
+    1.20 (+9.1%), 1.30 (+8.3%): three growths over 5% in a row stop the run at step 5, and the model to keep is step
+    2's, the last before the growth began (the lowest KL, step 1's, would be the least trained). A growth under 5%
+    restarts the count."""
     stop = EarlyStop(EvalConfig(every=1, stop_on="kl"))
-    flags, at = judged(stop, [1.0, 1.04, 1.06, 1.10, 1.20], metric="kl")
-    assert at == 5 and stop.best_step == 1 and flags == [True, False, False, False, False]
+    flags, at = judged(stop, [1.0, 1.02, 1.10, 1.20, 1.30], metric="kl")
+    assert flags == [True, True, False, False, False] and at == 5 and stop.best_step == 2
+    stop = EarlyStop(EvalConfig(every=1, stop_on="kl"))
+    flags, at = judged(stop, [1.0, 1.10, 1.20, 1.22, 1.40, 1.60], metric="kl")
+    assert at is None and stop.worse == 2 and stop.best_step == 4  # 1.22 grew 1.7%: counted from there again
     stop = EarlyStop(EvalConfig(every=2, stop_on="kl"))
     for v in (1.0, 3.0):
         stop.track({"kl": v})
     stop.judge(2, {"accuracy": 0.0})
-    assert stop.best == 2.0
+    assert stop.best == 2.0  # the mean since the previous evaluation
+    assert stop.judge(4, {"accuracy": 0.0}) is False and stop.worse == 0  # no KL logged since: not judged
 
 
 def test_state_round_trip(tmp_path):
@@ -119,5 +125,25 @@ def test_a_resumed_run_keeps_its_best_and_its_count(tiny_model_dir, tmp_path, mo
     summary = train(*config.load("grpo_math", [*args, "resume=true"]), quiet=True)
     assert summary["resumed_from"]["step"] == 2
     assert summary["early_stop"] == {"metric": "accuracy", "best_step": 2, "best_value": 0.7, "stopped_at": 4}
+    assert (out / "model" / "model.safetensors").read_bytes() == \
+        (out / "checkpoints" / "step_2" / "model.safetensors").read_bytes()
+
+
+def test_a_run_stops_when_its_kl_keeps_growing(tiny_model_dir, tmp_path, monkeypatch):
+    """The loop feeds each step's logged kl to the judge: scripted KL 1.0, 1.02, 1.2, 1.4 with patience 2 stop the
+    run after step 4 and keep step 2's model."""
+    from posttrain import config
+    from posttrain.train import run as train
+    from posttrain.train.engine import Engine
+
+    kls, step = iter([1.0, 1.02, 1.2, 1.4]), Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: {**step(self), "kl": next(kls)})
+    out = tmp_path / "kl"
+    cfg, resolved = config.load("grpo_math", [f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=6",
+                                              "train.batch_size=2", "algorithm.group_size=2",
+                                              "rollout.max_new_tokens=4", "eval.num_problems=2", "eval.every=1",
+                                              "eval.stop_on=kl", "eval.patience=2", *EASY])
+    summary = train(cfg, resolved, quiet=True)
+    assert summary["early_stop"] == {"metric": "kl", "best_step": 2, "best_value": 1.02, "stopped_at": 4}
     assert (out / "model" / "model.safetensors").read_bytes() == \
         (out / "checkpoints" / "step_2" / "model.safetensors").read_bytes()

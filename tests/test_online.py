@@ -187,3 +187,22 @@ def test_dynamic_sampling_needs_groups():
                               ("sft_math", [])):
         with pytest.raises(ConfigError, match="rollout.dynamic_sampling: keeps the groups of samples whose rewards"):
             config.load(recipe, ["rollout.dynamic_sampling=true", *overrides])
+
+
+def test_groups_are_kept_by_their_outcome_rewards_not_the_length_penalty():
+    """A solved prompt's two samples (1 and 2 tokens) differ once the overlong punishment is added (0.8 against
+    0.6), but not in accuracy: dynamic sampling drops the group, as DAPO filters on accuracy; the mixed one is kept."""
+    s = source(["solved", "mixed"], batch_size=1, rounds=2)
+    s.sampling = RolloutConfig(max_new_tokens=2, dynamic_sampling=True, max_sampling_rounds=2)
+    s.rewards = RewardsConfig(overlong_buffer=2, overlong_penalty=0.4)
+    batch, stats = s.next()
+    assert stats["sampling_rounds"] == 2 and stats["filled_groups"] == 0 and prompt_of(batch, 0) == [2, 2, 2]
+    assert batch.reward.tolist() == pytest.approx([0.8, -0.4])  # the trained rewards keep the punishment
+
+
+def test_overlong_punishment_needs_online_samples():
+    from posttrain import config
+    from posttrain.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rewards.overlong_buffer: the overlong punishment shapes the rewards"):
+        config.load("sft_math", ["rewards.overlong_buffer=2"])

@@ -109,3 +109,27 @@ def test_bad_beta_schedules(tmp_path, args, fragment):
 def test_dpo_has_no_kl_weight_to_schedule(tmp_path):
     assert_one_line_error(posttrain("run", "recipe=dpo_math", "train.beta_schedule=piecewise", "train.beta_values=[1]",
                                     f"output_dir={tmp_path / 'x'}"), "train.beta_schedule: dpo has nothing to schedule")
+
+
+def test_a_resumed_run_takes_up_the_beta_schedule_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
+    """Interrupted after step 3 was logged (step 2 saved), then resumed: steps 3 and 4 run with the third and fourth
+    step's β, not the first's, as in an uninterrupted run."""
+    from posttrain import config
+    from posttrain.train import checkpoint
+    from posttrain.train import run as train
+
+    def interrupt(name, step):
+        if (name, step) == ("step", 3):
+            raise KeyboardInterrupt
+
+    out = tmp_path / "b"
+    args = [f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=4", "train.batch_size=2",
+            "algorithm.group_size=2", "rollout.max_new_tokens=4", "eval.num_problems=0", "train.save_every=1", *EASY,
+            "train.beta_schedule=piecewise", "train.beta_values=[0.2,0.1,0.05,0.01]"]
+    monkeypatch.setattr(checkpoint, "crash_point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train(*config.load("grpo_math", args), quiet=True)
+    monkeypatch.setattr(checkpoint, "crash_point", lambda name, step: None)
+    train(*config.load("grpo_math", [*args, "resume=true"]), quiet=True)
+    logged = [json.loads(line)["beta"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [0.2, 0.1, 0.05, 0.01]

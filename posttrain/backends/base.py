@@ -222,6 +222,17 @@ def load_scheduler_state(trained: Trained, state: dict | None) -> None:
         trained.scheduler.load_state_dict(state)
 
 
+def save_schedule(backend: Backend, trained: Trained, path: Path) -> None:
+    """The schedule's state beside a sharded backend's own files (`path`/scheduler.pt), from the first process: the
+    same on every process."""
+    if backend.is_main:
+        torch.save(scheduler_state(trained), path / "scheduler.pt")
+
+
+def load_schedule(trained: Trained, path: Path) -> None:
+    load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=True))
+
+
 def one_process_group(device: torch.device) -> None:
     """A process group of one when no launcher started several, for backends whose tensors need a group."""
     dist = torch.distributed

@@ -30,10 +30,10 @@ from posttrain.backends.base import (
     Backend,
     Trained,
     adamw,
-    load_scheduler_state,
+    load_schedule,
     one_process_group,
     register,
-    scheduler_state,
+    save_schedule,
 )
 from posttrain.backends.ddp import DDP
 from posttrain.models import lora
@@ -123,8 +123,7 @@ class FSDP2(DDP):
 
         path.mkdir(parents=True, exist_ok=True)
         dcp.save(sharded_state(trained), checkpoint_id=path)
-        if self.is_main:
-            torch.save(scheduler_state(trained), path / "scheduler.pt")
+        save_schedule(self, trained, path)
         self.barrier()
 
     def load_state(self, trained, path: Path) -> None:
@@ -135,7 +134,7 @@ class FSDP2(DDP):
         dcp.load(state, checkpoint_id=path)
         set_state_dict(trained.module, trained.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=trained_only())
-        load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=False))
+        load_schedule(trained, path)
 
 
 def trained_only():

@@ -41,10 +41,10 @@ from posttrain.backends.base import (
     Backend,
     Trained,
     adamw,
-    load_scheduler_state,
+    load_schedule,
     one_process_group,
     register,
-    scheduler_state,
+    save_schedule,
 )
 from posttrain.backends.ddp import DDP
 from posttrain.core.errors import ConfigError
@@ -147,8 +147,7 @@ class ZeRO(DDP):
         writes the schedule's state. `path` must be on a file system every process sees."""
         path.mkdir(parents=True, exist_ok=True)
         trained.module.save_checkpoint(str(path), tag=STATE_TAG, save_latest=False, exclude_frozen_parameters=True)
-        if self.is_main:
-            torch.save(scheduler_state(trained), path / "scheduler.pt")
+        save_schedule(self, trained, path)
         self.barrier()
 
     def load_state(self, trained, path: Path) -> None:
@@ -161,7 +160,7 @@ class ZeRO(DDP):
                                                    load_module_strict=not lora.is_adapted(self.generation_model(trained)))
         if loaded is None:
             raise ValueError(f"no DeepSpeed checkpoint in {path / STATE_TAG}")
-        load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=False))
+        load_schedule(trained, path)
 
     def generation_model(self, trained):
         return trained.module.module  # the model inside DeepSpeed's engine (its hooks gather ZeRO-3 shards)

@@ -47,7 +47,9 @@ class Batch:
         return dataclasses.replace(self, **changes)
 
     def select(self, index: torch.Tensor | slice) -> Batch:
-        """The rows at `index`."""
+        """The rows at `index` (a slice, or an index or mask tensor on any device: the rewards live on the CPU)."""
+        if isinstance(index, torch.Tensor):
+            return self._map(lambda t: t[index.to(t.device)])
         return self._map(lambda t: t[index])
 
     def to(self, device: torch.device | str) -> Batch:

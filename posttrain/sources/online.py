@@ -3,9 +3,10 @@
 With `rollout.dynamic_sampling` (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476, §3.2) a step keeps only
 the groups whose rewards differ: a group of equal rewards has zero group-relative advantage and adds no policy
 gradient, so as more prompts become always-solved (or never-solved) the effective batch shrinks. The source samples
-`batch_size` more prompts, round after round, until it holds `batch_size` groups that differ, and trains on the first
-`batch_size` of them. After `rollout.max_sampling_rounds` rounds it fills what is missing with equal-reward groups
-rather than train on fewer rows (every process then runs the same number of forward passes). Where weights are
+`batch_size` more prompts, round after round, until it holds `batch_size` groups whose outcome rewards differ (the
+judge's, before the overlong punishment: DAPO filters on accuracy), and trains on the first `batch_size` of them.
+After `rollout.max_sampling_rounds` rounds it fills what is missing with equal-reward groups rather than train on
+fewer rows (every process then runs the same number of forward passes). Where weights are
 sharded, a round is sampled on every process until every process has enough (`Deps.agree`). The reward figures
 (`reward`, `reward/*`) are over every completion sampled, the filtered-out ones too: what the policy produced, not
 what the filter kept.
@@ -16,8 +17,8 @@ it needs the completions' token counts, which the judge's rules do not see.
 When the plugin needs step rewards ("step_reward", process supervision), the judge also scores each step
 (`Judge.score_steps`) and the source puts them on the sampled tokens as two [B, R] tensors in `batch.extra`:
 `step_reward` (each step's reward at its end token, 0 elsewhere) and `step_end` (1.0 at the end tokens); the end
-token of a step is found in the sampled ids themselves (`posttrain.data.steps`). Dynamic sampling still keeps groups
-by their outcome rewards.
+token of a step is found in the sampled ids themselves (`posttrain.data.steps`). They are scored for the samples
+trained on only, after dynamic sampling has chosen them by their outcome rewards.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class Online(Source):
         return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt,
                    d.agree, d.rewards, "step_reward" in d.needs)
 
-    def sample(self) -> tuple[Batch, dict]:
-        """One round: `batch_size` new prompts, n samples each, judged."""
+    def sample(self) -> tuple[Batch, dict, list[dict], list[str], torch.Tensor]:
+        """One round: `batch_size` new prompts, n samples each, judged. Returns the batch (its rewards with the
+        overlong punishment, if on), its stats, each sample's row and text, and the judge's rewards alone [B]."""
         rows = self.sampler.next(self.batch_size)
         s = self.sampling
         t0 = time.perf_counter()
@@ -65,51 +67,69 @@ class Online(Source):
         stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum())}
         t0 = time.perf_counter()
         rows, texts = [r for r in rows for _ in range(self.n)], completion_texts(self.tokenizer, batch)
-        batch.reward, reward_stats = self.judge.score(rows, texts)
-        if self.step_rewards:
-            steps = self.judge.score_steps(rows, texts)
-            batch.extra["step_reward"], batch.extra["step_end"] = step_tensors(self.tokenizer, batch, texts, steps)
+        outcome, reward_stats = self.judge.score(rows, texts)  # [B] on the CPU
+        batch.reward = outcome
         if self.rewards.overlong_buffer:
             penalty = self.rewards.overlong_penalty * overlong_penalty(batch.mask.sum(-1).cpu(), batch.truncated.cpu(),
                                                                        s.max_new_tokens, self.rewards.overlong_buffer)
-            batch.reward = batch.reward + penalty.to(batch.reward)
+            batch.reward = outcome + penalty
             reward_stats.update(reward=float(batch.reward.mean()), **{"reward/overlong": float(penalty.mean())})
         stats.update(reward_stats, **{"time/reward": time.perf_counter() - t0})
-        return batch, stats
+        return batch, stats, rows, texts, outcome
 
     def next(self) -> tuple[Batch, dict]:
-        if not self.sampling.dynamic_sampling:
-            batch, stats = self.sample()
+        if self.sampling.dynamic_sampling:
+            batch, stats, rows, texts = self.dynamic()
         else:
-            batch, stats = self.dynamic()
+            batch, stats, rows, texts, _ = self.sample()
+        if self.step_rewards:  # of the samples trained on only (the process reward model is a forward each)
+            t0 = time.perf_counter()
+            steps = self.judge.score_steps(rows, texts)
+            batch.extra["step_reward"], batch.extra["step_end"] = step_tensors(self.tokenizer, batch, texts, steps)
+            stats["time/reward"] += time.perf_counter() - t0
         stats.update(response_len=float(batch.mask.sum(-1).mean()), truncated_frac=float(batch.truncated.float().mean()))
         return batch, stats
 
-    def dynamic(self) -> tuple[Batch, dict]:
-        """Rounds of `sample` until `batch_size` groups whose rewards differ (or the rounds run out); the step's batch
-        of exactly `batch_size` groups, renumbered 0..batch_size − 1 in the order they were drawn."""
-        rounds, varied, equal = [], [], []  # batches; (round, group) pairs whose rewards differ / are all equal
-        for r in range(self.sampling.max_sampling_rounds):
-            batch, stats = self.sample()
-            rounds.append((batch, stats))
-            for g in range(self.batch_size):
-                rewards = batch.reward[batch.group == g]
-                (varied if bool(rewards.max() > rewards.min()) else equal).append((r, g))
-            if self.agree(len(varied) >= self.batch_size):
+    def dynamic(self) -> tuple[Batch, dict, list[dict], list[str]]:
+        """Rounds of `sample` until `batch_size` groups whose outcome rewards differ (or the rounds run out); the
+        step's batch of exactly `batch_size` groups: those that differ in the order drawn, then any that fill, each
+        renumbered by its place. Whether a group differs is judged on the judge's rewards, before the overlong
+        punishment, as DAPO filters on accuracy."""
+        rounds, varied, equal = [], [], []  # rounds; per round, the groups whose rewards differ / are all equal
+        for _ in range(self.sampling.max_sampling_rounds):
+            batch, stats, rows, texts, outcome = self.sample()
+            rounds.append((batch, stats, rows, texts))
+            group = batch.group.cpu()  # [B]
+            low = torch.full((self.batch_size,), torch.inf).scatter_reduce(0, group, outcome, "amin")  # [G]
+            high = torch.full((self.batch_size,), -torch.inf).scatter_reduce(0, group, outcome, "amax")  # [G]
+            varied.append((high > low).nonzero().flatten().tolist())
+            equal.append((high <= low).nonzero().flatten().tolist())
+            if self.agree(sum(map(len, varied)) >= self.batch_size):
                 break
-        chosen = varied[: self.batch_size]
-        filled = equal[: self.batch_size - len(chosen)]
-        parts = []
-        for new_group, (r, g) in enumerate(chosen + filled):
-            part = rounds[r][0].select(rounds[r][0].group == g)
-            part.group = torch.full_like(part.group, new_group)
-            parts.append(part)
+        stats = merged([r[1] for r in rounds])
+        kept, filled, need = [], 0, self.batch_size  # (round, its groups kept), varied ones first
+        for choice in (varied, equal):
+            for r, groups in enumerate(choice):
+                take, need = groups[:need], need - len(groups[:need])
+                kept.append((r, take))
+                filled += len(take) if choice is equal else 0
+        stats.update(sampling_rounds=float(len(rounds)), filled_groups=float(filled),
+                     dropped_groups=float(len(rounds) * self.batch_size - self.batch_size))
+        if len(rounds) == 1 and not filled:  # the first round had nothing to drop: its batch as it is
+            batch, _, rows, texts = rounds[0]
+            return batch, stats, rows, texts
+        parts, rows, texts = [], [], []
+        for r, groups in kept:
+            if not groups:
+                continue
+            batch, _, round_rows, round_texts = rounds[r]
+            index = torch.cat([(batch.group.cpu() == g).nonzero().flatten() for g in groups])  # [b], group by group
+            parts.append(batch.select(index))
+            rows += [round_rows[i] for i in index.tolist()]
+            texts += [round_texts[i] for i in index.tolist()]
         batch = concat(parts, self.tokenizer.pad_token_id)
-        stats = merged([s for _, s in rounds])
-        stats.update(sampling_rounds=float(len(rounds)), dropped_groups=float(len(rounds) * self.batch_size
-                                                                               - len(chosen) - len(filled)),
-                     filled_groups=float(len(filled)))
-        return batch, stats
+        batch.group = (torch.arange(len(batch)) // self.n).to(batch.group.device)  # rows i·n … i·n + n − 1: group i
+        return batch, stats, rows, texts
 
 
 def merged(stats: list[dict]) -> dict[str, float]:

@@ -58,10 +58,6 @@ class Checkpoints:
         """Whether `train.save_every` writes a checkpoint after `step`."""
         return bool(self.every) and step % self.every == 0
 
-    def after_step(self, engine, step: int, run_state: dict) -> None:
-        if self.due(step):
-            self.write(engine, step, run_state)
-
     def path(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}"
 
@@ -134,8 +130,9 @@ def find(resume: bool | str, staging: Path) -> Path:
             raise ConfigError(f"resume: '{path}' is not a complete checkpoint (no {RUN_STATE}); give a "
                               "checkpoints/step_N directory")
     if not (path / TRAINING_STATE).is_dir():
-        raise ConfigError(f"resume: '{path}' holds the model only, not the training state a run continues from "
-                          f"(no {TRAINING_STATE}/)")
+        raise ConfigError(f"resume: '{path}' has no {TRAINING_STATE}/ directory, so nothing to continue from: the "
+                          "model only, or a checkpoint of an older posttrain (one training_state.pt), which this one "
+                          "does not read")
     return path
 
 

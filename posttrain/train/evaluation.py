@@ -113,30 +113,36 @@ class Schedule:
 
 
 class EarlyStop:
-    """Early stopping with rollback to the best evaluation (`eval.stop_on`, `patience`, `min_delta`).
+    """Early stopping with rollback (`eval.stop_on`, `patience`, `min_delta`), judged at each evaluation of the loop.
 
-    At each evaluation of the loop it takes the watched value: the held-out accuracy (higher is better), or the mean
-    of the steps' training KL to the reference since the previous evaluation (lower is better). We take the training
-    KL, measured on the step's own samples, rather than a KL on held-out prompts, which would cost a reference forward
-    on the evaluation's samples; it is the quantity the KL penalty acts on. An evaluation is worse when it is worse
-    than the best so far by more than `min_delta` of the best (relative: 0.05 is 5%); `patience` worse ones in a row
-    stop the run. The seed's rule, "stop when validation KL grows 5% over 3 evaluations", is stop_on=kl with the
-    defaults. The run's final model is then the best evaluation's, whose checkpoint the loop keeps.
+    - ``accuracy``: the held-out accuracy. An evaluation is worse when it falls below the best so far by more than
+      `min_delta` of the best (relative: 0.05 is 5%); `patience` worse ones in a row stop the run, and its final model
+      is the best evaluation's.
+    - ``kl``: the mean of the steps' training KL to the reference since the previous evaluation. KL grows as the
+      policy learns, so the lowest is no model to keep: an evaluation counts when its KL grew by more than `min_delta`
+      over the previous evaluation's; `patience` growths in a row stop the run, and its final model is that of the
+      last evaluation before the growth began. The seed's rule, "stop when validation KL grows 5% over 3 evaluations",
+      is stop_on=kl with the defaults. We take the training KL, measured on the step's own samples, rather than a KL
+      on held-out prompts, which would cost a reference forward on the evaluation's samples; it is the quantity the
+      KL penalty acts on. An evaluation after steps that logged no KL (a β stage of 0) is not judged.
+
+    The evaluation the run would roll back to is the "best"; the loop keeps its checkpoint.
     """
 
     def __init__(self, cfg: EvalConfig):
         self.metric, self.patience, self.delta = cfg.stop_on, cfg.patience, cfg.min_delta
-        self.best, self.best_step, self.worse, self.kls = None, None, 0, []
+        self.best, self.best_step, self.worse, self.kls, self.previous = None, None, 0, [], None
         self.best_evaluation: dict | None = None  # the best evaluation's report, the run's eval_after on rollback
 
     def state_dict(self, checkpoint: Path | None) -> dict:
         """What a resumed run needs back (JSON), with the best evaluation's checkpoint."""
         return {"best": self.best, "best_step": self.best_step, "worse": self.worse, "kls": self.kls,
-                "best_evaluation": self.best_evaluation, "checkpoint": checkpoint.name if checkpoint else None}
+                "previous": self.previous, "best_evaluation": self.best_evaluation,
+                "checkpoint": checkpoint.name if checkpoint else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step, self.worse, self.kls = state["best"], state["best_step"], state["worse"], state["kls"]
-        self.best_evaluation = state["best_evaluation"]
+        self.previous, self.best_evaluation = state["previous"], state["best_evaluation"]
 
     @property
     def on(self) -> bool:
@@ -148,19 +154,23 @@ class EarlyStop:
             self.kls.append(metrics["kl"])
 
     def judge(self, step: int, evaluation: dict) -> bool:
-        """Takes the evaluation at `step`; True when it is the best so far (the loop then saves a checkpoint)."""
+        """Takes the evaluation at `step`; True when the run would now roll back to it (the loop saves a checkpoint)."""
         if self.metric == "accuracy":
-            value, higher = evaluation["accuracy"], True
-        else:
-            value, higher = sum(self.kls) / max(len(self.kls), 1), False
-        self.kls = []
-        if self.best is None or (value > self.best if higher else value < self.best):
-            self.best, self.best_step, self.worse = value, step, 0
-            return True
-        margin = self.delta * abs(self.best)
-        worse = value < self.best - margin if higher else value > self.best + margin
-        self.worse = self.worse + 1 if worse else 0
-        return False
+            value = evaluation["accuracy"]
+            if self.best is None or value > self.best:
+                self.best, self.best_step, self.worse, self.best_evaluation = value, step, 0, evaluation
+                return True
+            self.worse = self.worse + 1 if value < self.best - self.delta * abs(self.best) else 0
+            return False
+        if not self.kls:  # no step since the last evaluation measured a KL
+            return False
+        value, self.kls = sum(self.kls) / len(self.kls), []
+        grew, self.previous = self.previous is not None and value > self.previous * (1 + self.delta), value
+        if grew:
+            self.worse += 1
+            return False
+        self.best, self.best_step, self.worse, self.best_evaluation = value, step, 0, evaluation
+        return True
 
     @property
     def stop(self) -> bool:

@@ -100,8 +100,6 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                 summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
                 metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
                 best = stopper.on and stopper.judge(step, summary["eval_after"])
-                if best:
-                    stopper.best_evaluation = summary["eval_after"]
             metrics["wall_seconds"] = elapsed + time.perf_counter() - t_start
             tracker.log(metrics)
             done = step
