@@ -112,15 +112,8 @@ class GRPOConfig:
 
 
 def group_stats(reward: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (unbiased) std of each sample's group, for groups of any size and order.
-
-    Args:
-        reward: [B] rewards.
-        group: [B] long, group index of each sample.
-
-    Returns:
-        ([B] group mean, [B] group std), one value per sample.
-    """
+    """Mean and unbiased std of each sample's group, for groups of any size and order: [B] rewards and [B] group ids
+    -> ([B] group mean, [B] group std), one value per sample."""
     _, idx, size = torch.unique(group, return_inverse=True, return_counts=True)  # idx [B], size [n_groups]
     size = size.to(reward.dtype)
     mean = torch.zeros_like(size).index_add_(0, idx, reward) / size  # [n_groups]
