@@ -33,3 +33,20 @@ def objective_grad(objective, logp0: torch.Tensor) -> torch.Tensor:
     logp = logp0.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(-objective(logp), logp)
     return grad
+
+
+def clipped_objective(batch, cfg, adv: torch.Tensor, mode: str, norm: float):
+    """J(logp) = the aggregate of min(ρ Â, clip(ρ, 1 − ε, 1 + ε_high) Â) per token, with ρ = πθ/π_old, minus β·k3
+    per token when the KL is in the loss (`cfg.kl_in_reward` false): the objective of RLOO and REINFORCE++, written
+    out, for the advantages `adv` ([B, 1] or [B, R]) computed apart."""
+    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+
+    def J(logp):
+        ratio = torch.exp(logp - batch.old_logp)
+        per_token = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
+        if not cfg.kl_in_reward:
+            log_ref_ratio = batch.ref_logp - logp
+            per_token = per_token - cfg.beta * (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
+        return written_out_mean(per_token, batch.mask, mode, norm)
+
+    return J

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import objective_grad, surrogate_grad, written_out_mean
+from helpers import clipped_objective, objective_grad, surrogate_grad
 
 from posttrain import config
 from posttrain.algorithms import get
@@ -58,18 +58,7 @@ def advantages_by_loops(batch, cfg):
 
 def rpp_objective(batch, cfg, mode, norm):
     """min(ρ_t Â_t, clip(ρ_t) Â_t) per token (− β·k3 when the KL is in the loss), under `mode`."""
-    adv = advantages_by_loops(batch, cfg)
-    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-
-    def J(logp):
-        ratio = torch.exp(logp - batch.old_logp)
-        per_token = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
-        if not cfg.kl_in_reward:
-            log_ref_ratio = batch.ref_logp - logp
-            per_token = per_token - cfg.beta * (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
-        return written_out_mean(per_token, batch.mask, mode, norm)
-
-    return J
+    return clipped_objective(batch, cfg, advantages_by_loops(batch, cfg), mode, norm)
 
 
 def hand_batch():

@@ -3,7 +3,7 @@ autograd on the objective written out, including the paper's sequence-sum estima
 
 import pytest
 import torch
-from helpers import objective_grad, surrogate_grad, written_out_mean
+from helpers import clipped_objective, objective_grad, surrogate_grad
 
 from posttrain import config
 from posttrain.algorithms import get
@@ -49,18 +49,7 @@ def loo_by_loops(batch, cfg):
 
 def rloo_objective(batch, cfg, mode, norm):
     """Σ_t min(ρ Â_i, clip(ρ) Â_i) per sequence (− β·k3 per token when the KL is in the loss), under `mode`."""
-    adv = loo_by_loops(batch, cfg)[:, None]
-    high = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-
-    def J(logp):
-        ratio = torch.exp(logp - batch.old_logp)
-        per_token = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
-        if not cfg.kl_in_reward:
-            log_ref_ratio = batch.ref_logp - logp
-            per_token = per_token - cfg.beta * (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
-        return written_out_mean(per_token, batch.mask, mode, norm)
-
-    return J
+    return clipped_objective(batch, cfg, loo_by_loops(batch, cfg)[:, None], mode, norm)
 
 
 def test_leave_one_out_hand_worked():
