@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.core.aggregation import aggregate
+from posttrain.core.batch import Batch
 
 
 def written_out_mean(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: float = 1.0) -> torch.Tensor:
@@ -50,3 +51,22 @@ def clipped_objective(batch, cfg, adv: torch.Tensor, mode: str, norm: float):
         return written_out_mean(per_token, batch.mask, mode, norm)
 
     return J
+
+
+LENGTHS = [3, 5, 1, 4, 0, 2, 5, 3, 4]  # response lengths of `ragged_batch`, one row empty (a filtered sample)
+
+
+def ragged_batch(G: int = 3, seed: int = 0, spread: float = 0.0) -> tuple[Batch, torch.Tensor]:
+    """Groups of G with 0/1 rewards and ragged masks, and log πθ. π_old is always given (a KL in the reward reads it
+    even at μ = 1, where the engine scores it with the update's weights): `spread` = 0 makes it equal to πθ (ρ = 1),
+    `spread` > 0 moves it away so that ratios leave [1 − ε, 1 + ε]."""
+    g = torch.Generator().manual_seed(seed)
+    B, R = len(LENGTHS), 5
+    logp = -torch.rand(B, R, generator=g) * 3
+    old = logp + spread * torch.randn(B, R, generator=g)
+    mask = (torch.arange(R)[None, :] < torch.tensor(LENGTHS)[:, None]).float()  # [B, R]
+    batch = Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2), mask=mask,
+                  prompt_len=2, group=torch.arange(B // G).repeat_interleave(G),
+                  reward=torch.tensor([1.0, 0, 0, 1, 1, 0, 0, 1, 1]), truncated=torch.zeros(B, dtype=torch.bool),
+                  old_logp=old, ref_logp=old + 0.3 * torch.randn(B, R, generator=g))
+    return batch, logp

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import clipped_objective, objective_grad, surrogate_grad
+from helpers import clipped_objective, objective_grad, ragged_batch, surrogate_grad
 
 from posttrain import config
 from posttrain.algorithms import get
@@ -16,22 +16,6 @@ from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 
 RPP = get("reinforce_pp")
-LENGTHS = [3, 5, 1, 4, 0, 2, 5, 3, 4]  # response lengths, one row empty (a filtered sample)
-
-
-def random_batch(G=3, seed=0, spread=0.0):
-    """Groups of G with 0/1 rewards and ragged masks; π_old is given (the KL in the reward reads it even at μ = 1,
-    where the engine scores it with the update's weights) and `spread` > 0 moves it away from πθ."""
-    g = torch.Generator().manual_seed(seed)
-    B, R = len(LENGTHS), 5
-    logp = -torch.rand(B, R, generator=g) * 3
-    old = logp + spread * torch.randn(B, R, generator=g)
-    mask = (torch.arange(R)[None, :] < torch.tensor(LENGTHS)[:, None]).float()  # [B, R]
-    batch = Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2), mask=mask,
-                  prompt_len=2, group=torch.arange(B // G).repeat_interleave(G),
-                  reward=torch.tensor([1.0, 0, 0, 1, 1, 0, 0, 1, 1]), truncated=torch.zeros(B, dtype=torch.bool),
-                  old_logp=old, ref_logp=old + 0.3 * torch.randn(B, R, generator=g))
-    return batch, logp
 
 
 def advantages_by_loops(batch, cfg):
@@ -122,7 +106,7 @@ def test_truncated_completions_leave_the_loss_and_the_normalisation():
                                     (3, ReinforcePPConfig(group_size=3, clip_eps=0.1, clip_eps_high=0.3))],
                          ids=["baseline", "groups-of-one", "kl-in-loss", "discounted", "clip-higher"])
 def test_gradient_matches_objective(mode, spread, G, cfg):
-    batch, logp = random_batch(G=G, spread=spread)
+    batch, logp = ragged_batch(G=G, spread=spread)
     prepared, _ = RPP.prepare(batch, cfg)
     norm = 4.0
     got = surrogate_grad(RPP, prepared, logp, cfg, mode, norm)

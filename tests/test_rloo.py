@@ -3,7 +3,7 @@ autograd on the objective written out, including the paper's sequence-sum estima
 
 import pytest
 import torch
-from helpers import clipped_objective, objective_grad, surrogate_grad
+from helpers import LENGTHS, clipped_objective, objective_grad, ragged_batch, surrogate_grad
 
 from posttrain import config
 from posttrain.algorithms import get
@@ -13,23 +13,6 @@ from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 
 RLOO = get("rloo")
-LENGTHS = [3, 5, 1, 4, 0, 2, 5, 3, 4]  # response lengths, one row empty (a filtered sample)
-
-
-def random_batch(seed=0, spread=0.0, G=3):
-    """Groups of G with 0/1 rewards and ragged masks. π_old is always given (the KL in the reward reads it even at
-    μ = 1, where the engine scores it with the update's weights): `spread` = 0 makes it equal to πθ (ρ = 1),
-    `spread` > 0 moves it away so that ratios leave [1 − ε, 1 + ε]."""
-    g = torch.Generator().manual_seed(seed)
-    B, R = len(LENGTHS), 5
-    logp = -torch.rand(B, R, generator=g) * 3
-    old = logp + spread * torch.randn(B, R, generator=g)
-    mask = (torch.arange(R)[None, :] < torch.tensor(LENGTHS)[:, None]).float()  # [B, R]
-    batch = Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2), mask=mask,
-                  prompt_len=2, group=torch.arange(B // G).repeat_interleave(G),
-                  reward=torch.tensor([1.0, 0, 0, 1, 1, 0, 0, 1, 1]), truncated=torch.zeros(B, dtype=torch.bool),
-                  old_logp=old, ref_logp=old + 0.3 * torch.randn(B, R, generator=g))
-    return batch, logp
 
 
 def loo_by_loops(batch, cfg):
@@ -86,7 +69,7 @@ def test_kl_in_the_sequence_reward_hand_worked():
                                  RLOOConfig(group_size=3, beta=0.1, clip_eps=0.1, clip_eps_high=0.3)],
                          ids=["kl-in-reward", "beta0", "kl-in-loss", "clip-higher"])
 def test_gradient_matches_objective(mode, spread, cfg):
-    batch, logp = random_batch(spread=spread)
+    batch, logp = ragged_batch(spread=spread)
     prepared, _ = RLOO.prepare(batch, cfg)
     norm = 4.0
     got = surrogate_grad(RLOO, prepared, logp, cfg, mode, norm)
@@ -103,7 +86,7 @@ def test_sequence_sum_aggregation_is_the_papers_estimator():
     """At μ = 1 (ρ = 1) with seq_mean_token_sum_norm and L = 1, the gradient is RLOO_k's
     (1/B) Σ_i Â_i ∇ log πθ(o_i|q), log πθ(o_i|q) = Σ_t log πθ(o_{i,t}) (Ahmadian et al. 2024), Â by loops."""
     cfg = RLOOConfig(group_size=3, beta=0.05)
-    batch, logp = random_batch()
+    batch, logp = ragged_batch()
     adv = loo_by_loops(batch, cfg)
     seqs = [i for i in range(len(LENGTHS)) if LENGTHS[i] > 0]
 
