@@ -177,9 +177,13 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rewards.overlong_buffer and plugin.source != "online":
         raise ConfigError(f"rewards.overlong_buffer: the overlong punishment shapes the rewards of samples drawn as "
                           f"the run trains; {plugin.name} trains on no such samples")
+    if cfg.rewards.normalize != "none" and plugin.source != "online":
+        raise ConfigError(f"rewards.normalize: normalises the rewards of samples drawn as the run trains; "
+                          f"{plugin.name} trains on no such samples")
     if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
         raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
                           f"with these settings samples no groups (one completion per prompt, or none)")
+    check_adaptive_sampling(cfg, plugin)
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
                           f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")
@@ -194,6 +198,41 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return cfg, resolved
+
+
+def check_adaptive_sampling(cfg: RunConfig, plugin) -> None:
+    """The elite pool, the adaptive temperature and per-difficulty group sizes shape the sampling of online methods;
+    the pool and the group sizes need groups, the sizes their bounds around algorithm.group_size (the budget's
+    mean) and fixed budgets per round."""
+    r = cfg.rollout
+    if cfg.data.curriculum != "none" and plugin.source not in ("online", "offline"):
+        raise ConfigError(f"data.curriculum: orders the rows drawn each step; {plugin.name} samples its training set "
+                          "once, before the run")
+    if cfg.data.curriculum == "pass_rate" and plugin.source != "online":
+        raise ConfigError(f"data.curriculum: pass_rate weighs prompts by how often the policy solves them, judged on "
+                          f"samples drawn as the run trains; {plugin.name} draws none (curriculum=field works)")
+    if r.elite_pool and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
+        raise ConfigError(f"rollout.elite_pool: replays a prompt's best sample in place of the worst of its group; "
+                          f"{plugin.name} with these settings samples no groups (one completion per prompt, or none)")
+    if r.elite_pool and cfg.rewards.normalize != "none":
+        raise ConfigError(f"rollout.elite_pool: compares rewards across steps, and rewards.normalize="
+                          f"{cfg.rewards.normalize} makes each reward relative to its own step's samples; choose one")
+    if r.adaptive_temperature and plugin.source != "online":
+        raise ConfigError(f"rollout.adaptive_temperature: sets the temperature of samples drawn as the run trains; "
+                          f"{plugin.name} trains on no such samples")
+    if not r.adaptive_group_size:
+        return
+    n = plugin.samples_per_prompt(cfg.algorithm) if plugin.source == "online" else 0
+    if n < 2:
+        raise ConfigError(f"rollout.adaptive_group_size: sets each prompt's group size; {plugin.name} with these "
+                          "settings samples no groups")
+    if not r.min_group_size <= n <= r.max_group_size:
+        raise ConfigError(f"rollout.adaptive_group_size: algorithm.group_size={n} is the mean group size and must lie "
+                          f"in [rollout.min_group_size, rollout.max_group_size] = [{r.min_group_size}, "
+                          f"{r.max_group_size}]")
+    if r.dynamic_sampling:
+        raise ConfigError("rollout.adaptive_group_size: not with rollout.dynamic_sampling (groups of unequal size "
+                          "would give each process a different number of rows); choose one")
 
 
 def check_step_rewards(cfg: RunConfig, plugin) -> None:
@@ -225,7 +264,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 def rewards_config(values: Any) -> RewardsConfig:
     """The `rewards` group from its flat form: reward names with weights beside the reserved keys (`custom`,
-    `timeout_s`). Like `algorithm`, it is built apart from the rest, as its reward names are not fields."""
+    `timeout_s`, ...: RewardsConfig.RESERVED). Like `algorithm`, it is built apart from the rest, as its reward names
+    are not fields."""
     if values is None:
         values = {}
     if not isinstance(values, dict):
@@ -245,7 +285,8 @@ def rewards_config(values: Any) -> RewardsConfig:
 def rewards_tree(cfg: RewardsConfig) -> dict:
     """The `rewards` group in its flat form, as a recipe writes it (config.yaml, `posttrain config`)."""
     return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s,
-            "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty, "process": cfg.process}
+            "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty, "process": cfg.process,
+            "normalize": cfg.normalize}
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:

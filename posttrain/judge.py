@@ -13,6 +13,15 @@ incorrect one) and held-out evaluation all ask it, so "reward" and "correct" mea
 Reward functions see the completion, the reference answer and the prompt text of each sample. Each call runs in a
 worker process, one completion at a time, within `rewards.timeout_s` (`posttrain.rewards.base`): a reward that
 raises, hangs or gives nan costs that sample's score (0), and the step's metrics count it.
+
+Several objectives (`rewards.normalize`, after GDPO: Liu et al. 2026, "Group reward-Decoupled Normalization Policy
+Optimization for Multi-reward RL Optimization", arXiv:2601.05242). In a plain weighted sum Σ_k w_k r_k the objective
+with the larger scale or spread sets the group-relative advantage whatever its weight. With `group`, each objective k
+(each rule, custom function and the reward model) is first z-scored over the samples of its prompt,
+z_k = (r_k − mean_g r_k) / (std_g r_k + 1e-4) (unbiased std), and the total is Σ_k w_k z_k, so the weights mean what
+they say and an objective constant within a group adds 0; `batch` z-scores over the whole batch (methods without
+groups). Deviation: GDPO then whitens the sum over the batch; here the sum is the reward, and the method's advantage
+takes it from there (GRPO's z-scores it again within the group).
 """
 
 from __future__ import annotations
@@ -20,10 +29,24 @@ from __future__ import annotations
 import torch
 
 from posttrain import rewards
+from posttrain.algorithms.grpo import group_stats
 from posttrain.data import prompt_texts
+from posttrain.rewards import custom
 from posttrain.rewards.accuracy import final_answers, verdicts
 from posttrain.rewards.steps import step_scores
 from posttrain.schema import DataConfig, RewardsConfig, RunConfig, weights_dtype
+
+NORM_EPS = 1e-4  # rewards.normalize: z = (r − mean) / (std + eps), GDPO's value
+
+
+def normalized(parts: dict[str, torch.Tensor], weights: dict[str, float], group: torch.Tensor) -> torch.Tensor:
+    """Σ_k w_k (r_k − mean_g r_k) / (std_g r_k + NORM_EPS): each objective's [B] scores z-scored within the samples of
+    each group (unbiased std; groups of any size and order), then weighted; [B] group ids -> [B]."""
+    total = torch.zeros(group.shape, dtype=torch.float64)  # [B]
+    for name, r in parts.items():
+        mean, std = group_stats(r, group)  # [B], [B]
+        total += weights[name] * (r - mean) / (std + NORM_EPS)
+    return total
 
 
 class Judge:
@@ -32,7 +55,8 @@ class Judge:
     Args:
         data: the field mapping (`answer_field`, `prompt_field`), how answers are checked (`answer_format`) and the
             prompt template.
-        rules: the `rewards` group: rule rewards and custom functions with their weights, and the bound on a call.
+        rules: the `rewards` group: rule rewards and custom functions with their weights, the bound on a call, and
+            whether each objective is z-scored before the weighted sum (`normalize`).
         reward_model: a callable (prompts, completions) -> scores, or None.
         reward_model_weight: its weight in the total.
         tokenizer: the policy's; with a chat template, rewards see the prompt as the template rendered it.
@@ -44,15 +68,24 @@ class Judge:
         self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
         self.tokenizer, self.process, self.process_model = tokenizer, rules.process, process_model
         self.rules = rewards.combine(rules, answer_format=data.answer_format)
+        self.normalize = rules.normalize
+        self.weights = {**rules.weights, **{custom.load(entry).label: w for entry, w in rules.custom.items()},
+                        "model": reward_model_weight}  # objective -> weight, by its name in `parts`
 
     def answers(self, rows: list[dict]) -> list[str]:
         return [str(r[self.data.answer_field]) for r in rows]
 
-    def score(self, rows: list[dict], completions: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        """([B] total reward, stats) for completions of `rows`. The stats hold "reward", "reward/<name>" (the mean
-        of each part, a missing score as 0) and four counts of missing scores, each scored 0: "reward/verify_errors"
-        (a reward could not score: the accuracy rule's math check raised), "reward/errors" (a call raised),
-        "reward/timeouts" (a call outlasted rewards.timeout_s) and "reward/nonfinite" (a call gave nan or inf)."""
+    def score(self, rows: list[dict], completions: list[str],
+              group: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """([B] total reward, stats) for completions of `rows`, `group` their [B] group ids (the samples of one
+        prompt; None: one group). The total is Σ_k w_k r_k, or with rewards.normalize each objective z-scored first
+        (module docstring). The stats hold "reward" (the mean of the raw Σ_k w_k r_k, normalising or not),
+        "reward/<name>" (the mean of each part, a missing score as 0) and four counts of missing scores, each scored 0:
+        "reward/verify_errors" (a reward could not score: the accuracy rule's math check raised), "reward/errors" (a
+        call raised), "reward/timeouts" (a call outlasted rewards.timeout_s) and "reward/nonfinite" (a call gave nan
+        or inf). With `group`, "reward/<name>/std" is the mean over samples of that part's std within their group:
+        how much it tells a group's samples apart (0: it teaches nothing). When normalising, "reward/normalized" is
+        the mean of the total returned."""
         prompts = prompt_texts(rows, self.data, self.tokenizer)
         total, parts, counts = self.rules(completions, self.answers(rows), prompts)
         parts = {name: [s or 0.0 for s in scores] for name, scores in parts.items()}
@@ -61,7 +94,20 @@ class Judge:
             total = [t + self.reward_model_weight * m for t, m in zip(total, parts["model"])]
         stats = {"reward": sum(total) / len(total), **{f"reward/{k}": sum(v) / len(v) for k, v in parts.items()},
                  **{f"reward/{k}": float(n) for k, n in counts.items()}}
-        return torch.tensor(total), stats
+        reward = torch.tensor(total)  # [B]
+        if group is None and self.normalize == "none":
+            return reward, stats
+        if group is not None and group.shape != reward.shape:
+            raise ValueError(f"score: {tuple(group.shape)} group ids for {len(total)} completions")
+        raw = {name: torch.tensor(scores, dtype=torch.float64) for name, scores in parts.items()}  # name -> [B]
+        if group is not None:
+            stats.update({f"reward/{k}/std": float(group_stats(r, group)[1].mean()) for k, r in raw.items()})
+        if self.normalize != "none":
+            one = torch.zeros(reward.shape, dtype=torch.long)  # [B] the whole batch as one group
+            by = group if self.normalize == "group" and group is not None else one
+            reward = normalized(raw, self.weights, by).to(reward.dtype)
+            stats["reward/normalized"] = float(reward.mean())
+        return reward, stats
 
     def score_steps(self, rows: list[dict], completions: list[str]) -> list[list[tuple[int, float]]]:
         """(char_end, reward) for each step of each completion of `rows`, steps in order; char_end is the offset in

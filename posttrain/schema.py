@@ -97,6 +97,7 @@ PRESETS = {
                  chat="{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."),
 }
 ANSWER_FORMATS = ("number", "math")
+CURRICULA = ("none", "field", "pass_rate")
 
 
 @dataclass
@@ -130,6 +131,18 @@ class DataConfig:
     """Prompts longer than this many tokens keep their last tokens."""
     max_response_len: int = 512
     """Offline responses longer than this many tokens are cut."""
+    curriculum: str = "none"
+    """Order of the training rows (posttrain/data/curriculum.py): none (uniform epochs); field (easiest first by
+    difficulty_field, the pool growing with Platanios et al. 2019's competence); pass_rate (drawn ∝ max(1 − s,
+    floor) by each prompt's running pass rate s, Kimi k1.5 §2.3.4)."""
+    difficulty_field: str | None = None
+    """curriculum=field: the numeric field of each row that ranks it, lower = easier (required there)."""
+    curriculum_start: float = 0.2
+    """curriculum=field: c0, the share of the easiest rows drawn from at step 0, in (0, 1]."""
+    curriculum_steps: int | None = None
+    """curriculum=field: T, the step from which every row is drawn; null: half of train.steps."""
+    curriculum_floor: float = 0.05
+    """curriculum=pass_rate: the least weight a row keeps, so solved prompts are still drawn now and then, in (0, 1]."""
     difficulty: int = 2
     """Embedded task: operations per problem (1: a±b, 2: a±b±c, ...), one worked step each."""
     max_operand: int = 9
@@ -162,6 +175,15 @@ class DataConfig:
         for key in ("max_prompt_len", "max_response_len", "difficulty", "max_operand", "train_size", "test_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
+        if self.curriculum not in CURRICULA:
+            raise ConfigError(f"curriculum: unknown {self.curriculum!r}; known: {', '.join(CURRICULA)}")
+        if self.curriculum == "field" and not self.difficulty_field:
+            raise ConfigError("difficulty_field: required with data.curriculum=field (the row field that ranks rows)")
+        for key in ("curriculum_start", "curriculum_floor"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ConfigError(f"{key}: must be in (0, 1] (got {getattr(self, key)})")
+        if self.curriculum_steps is not None and self.curriculum_steps < 1:
+            raise ConfigError(f"curriculum_steps: must be ≥ 1 or null (got {self.curriculum_steps})")
 
 
 @dataclass
@@ -192,6 +214,33 @@ class RolloutConfig:
     max_sampling_rounds: int = 4
     """dynamic_sampling: the most sampling rounds a step takes; if the rounds run out, equal-reward groups fill the
     batch (they add nothing but the KL term) and filled_groups counts them."""
+    adaptive_temperature: bool = False
+    """Move the sampling temperature each step toward a target entropy of the sampled tokens, within
+    [min_temperature, max_temperature] (posttrain/core/schedules.py, adapted_temperature); `temperature` is the first
+    step's. Log-probs are scored at each step's own temperature; metrics.jsonl logs temperature and entropy."""
+    target_entropy: float | None = None
+    """adaptive_temperature: the target, nats per sampled token; null: the first step's."""
+    min_temperature: float = 0.5
+    """adaptive_temperature: the lowest temperature it sets."""
+    max_temperature: float = 2.0
+    """adaptive_temperature: the highest temperature it sets."""
+    adaptive_group_size: bool = False
+    """Per-difficulty G: each prompt's group size from its running pass rate, in [min_group_size, max_group_size],
+    the step's samples still batch_size × group_size (posttrain/data/difficulty.py); group methods."""
+    min_group_size: int = 4
+    """adaptive_group_size: the smallest G (an easy prompt's)."""
+    max_group_size: int = 8
+    """adaptive_group_size: the largest G (a hard prompt's)."""
+    group_size_target: float = 0.9
+    """adaptive_group_size: the chance, at the prompt's pass rate, that its group holds a correct sample."""
+    elite_pool: int = 0
+    """Elite replay (posttrain/sources/elite.py): keep the best completion sampled so far for up to this many prompts
+    (LRU), and when a prompt's group does worse than it, replace the group's lowest-reward sample by it; 0: off.
+    Fires only when a prompt is drawn again (from the second pass over the training rows); online methods with at
+    least 2 samples per prompt."""
+    elite_is_cap: float = 1.0
+    """C of a replayed token's off-policy weight min(π_old / μ, C) on GC, μ the older policy that drew the elite
+    (V-trace's ρ̄ truncation, arXiv:1802.01561): 1 never up-weights a token; biased, but bounded by C."""
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -210,6 +259,20 @@ class RolloutConfig:
             raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
         if self.max_sampling_rounds < 1:
             raise ConfigError(f"max_sampling_rounds: must be ≥ 1 (got {self.max_sampling_rounds})")
+        if self.elite_pool < 0:
+            raise ConfigError(f"elite_pool: must be ≥ 0 (got {self.elite_pool})")
+        if self.elite_is_cap <= 0:
+            raise ConfigError(f"elite_is_cap: must be > 0 (got {self.elite_is_cap})")
+        if not 0 < self.min_temperature <= self.max_temperature:
+            raise ConfigError(f"min_temperature: must be > 0 and ≤ max_temperature (got {self.min_temperature}, "
+                              f"{self.max_temperature})")
+        if self.target_entropy is not None and self.target_entropy <= 0:
+            raise ConfigError(f"target_entropy: must be > 0 or null (got {self.target_entropy})")
+        if not 2 <= self.min_group_size <= self.max_group_size:
+            raise ConfigError(f"min_group_size: must be ≥ 2 and ≤ max_group_size (got {self.min_group_size}, "
+                              f"{self.max_group_size})")
+        if not 0 < self.group_size_target < 1:
+            raise ConfigError(f"group_size_target: must be in (0, 1) (got {self.group_size_target})")
 
 
 OFFLOADS = ("none", "optimizer", "params")
@@ -363,6 +426,7 @@ class RewardModelConfig:
 
 
 PROCESS_REWARDS = ("none", "steps", "model")  # rewards.process: where step rewards come from
+REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which samples each objective is z-scored
 
 
 @dataclass
@@ -370,7 +434,7 @@ class RewardsConfig:
     """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside the
     reserved keys, e.g. `{accuracy: 1.0, format: 0.1, custom: {my_rewards.py:brevity: 0.5}, timeout_s: 10}`."""
 
-    RESERVED = ("custom", "timeout_s", "overlong_buffer", "overlong_penalty", "process")  # not reward names
+    RESERVED = ("custom", "timeout_s", "overlong_buffer", "overlong_penalty", "process", "normalize")  # not rewards
 
     weights: dict[str, float] = field(default_factory=lambda: {"accuracy": 1.0})
     """Registered rule rewards (rewards/) and their weights, written straight in the group: {accuracy: 1.0,
@@ -390,10 +454,15 @@ class RewardsConfig:
     process: str = "none"
     """Step rewards for the methods that train on them (grpo_ps): none; steps, the embedded task's rule, each worked
     line checked (rewards/steps.py); model, a process reward model at reward_model.process_path."""
+    normalize: str = "none"
+    """Each objective (rule, custom function, reward model) z-scored before the weighted sum (GDPO): none, the plain
+    weighted sum; group, over the samples of each prompt; batch, over the whole batch. Online methods."""
 
     def __post_init__(self):
         if self.process not in PROCESS_REWARDS:
             raise ConfigError(f"process: unknown {self.process!r}; known: {', '.join(PROCESS_REWARDS)}")
+        if self.normalize not in REWARD_NORMS:
+            raise ConfigError(f"normalize: unknown {self.normalize!r}; known: {', '.join(REWARD_NORMS)}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
         if self.overlong_buffer < 0:

@@ -53,6 +53,20 @@ def clipped_objective(batch, cfg, adv: torch.Tensor, mode: str, norm: float):
     return J
 
 
+def weighted_grpo_objective(batch, cfg, adv: torch.Tensor, weight: torch.Tensor, mode: str, norm: float):
+    """J(logp) = GRPO's Eq. 3 + 4 with every token's term times a constant `weight` [B, R] (an importance weight),
+    written out; π_old is batch.old_logp, or this logp detached (a step's only update)."""
+
+    def J(lp):
+        old = batch.old_logp if batch.old_logp is not None else lp.detach()
+        ratio = torch.exp(lp - old)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+        kl = torch.exp(batch.ref_logp - lp) - (batch.ref_logp - lp) - 1
+        return written_out_mean(weight * (surrogate - cfg.beta * kl), batch.mask, mode, norm)
+
+    return J
+
+
 LENGTHS = [3, 5, 1, 4, 0, 2, 5, 3, 4]  # response lengths of `ragged_batch`, one row empty (a filtered sample)
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import objective_grad, surrogate_grad, written_out_mean
+from helpers import objective_grad, surrogate_grad, weighted_grpo_objective, written_out_mean
 
 from posttrain.algorithms import get
 from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_median, group_stats
@@ -225,13 +225,7 @@ def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
     objective = paper_objective(batch, cfg, mode, norm)
     adv = group_advantages(batch.reward, batch.group, cfg.adv_norm, cfg.eps)[:, None]
 
-    def weighted(lp):  # Eq. 3 + 4 with every token's term times its weight, written out
-        old = batch.old_logp if batch.old_logp is not None else lp.detach()
-        ratio = torch.exp(lp - old)
-        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
-        kl = torch.exp(batch.ref_logp - lp) - (batch.ref_logp - lp) - 1
-        return written_out_mean(weight * (surrogate - cfg.beta * kl), batch.mask, mode, norm)
-
+    weighted = weighted_grpo_objective(batch, cfg, adv, weight, mode, norm)  # Eq. 3 + 4, each token's term weighted
     torch.testing.assert_close(got, objective_grad(weighted, logp), atol=1e-6, rtol=1e-5)
     assert not torch.allclose(got, objective_grad(objective, logp))  # the weights changed the gradient
     assert 0 < metrics["mismatch/tis_capped"] < 1  # some tokens capped, some not: the cap is exercised

@@ -66,13 +66,13 @@ def test_rewards_group_in_a_recipe_file(in_tmp):
     assert (cfg.rewards.weights, cfg.rewards.custom, cfg.rewards.timeout_s) == (
         {"format": 0.5}, {"my_rewards.py:brevity": 0.25}, 2.0)
     assert resolved["rewards"] == {"format": 0.5, "custom": {"my_rewards.py:brevity": 0.25}, "timeout_s": 2.0,
-                                   "overlong_buffer": 0, "overlong_penalty": 1.0, "process": "none"}
+                                   "overlong_buffer": 0, "overlong_penalty": 1.0, "process": "none", "normalize": "none"}
     recipe.write_text("algorithm: {name: grpo}\nrewards:\n  custom: {my_rewards.py:brevity: 1}\n")
     only_custom, _ = config.load(str(recipe))
     assert only_custom.rewards.weights == {} and only_custom.rewards.custom == {"my_rewards.py:brevity": 1.0}
     default, resolved = config.load("grpo_math", ["rewards.timeout_s=3"])
     assert resolved["rewards"] == {"accuracy": 1.0, "custom": {}, "timeout_s": 3.0, "overlong_buffer": 0,
-                                   "overlong_penalty": 1.0, "process": "none"}
+                                   "overlong_penalty": 1.0, "process": "none", "normalize": "none"}
 
 
 @pytest.mark.parametrize("override, message", [

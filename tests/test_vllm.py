@@ -93,6 +93,20 @@ def test_samples_have_groups_stop_tokens_and_masks(engines):
 
 
 @needs_vllm
+def test_each_prompt_gets_its_own_number_of_samples(engines):
+    """rollout.adaptive_group_size: n per prompt, rows prompt by prompt, each prompt's tokens before its samples."""
+    vllm_engine, hf, tok = engines
+    prompts = ids(tok, PROMPTS)
+    batch = vllm_engine.generate(prompts, [3, 1, 4], max_new_tokens=6, temperature=1.2)
+    assert batch.group.tolist() == [0, 0, 0, 1, 2, 2, 2, 2]
+    for row, prompt in enumerate(batch.group.tolist()):
+        P = batch.prompt_len
+        assert batch.input_ids[row, :P][batch.attention_mask[row, :P].bool()].tolist() == prompts[prompt]
+    greedy = vllm_engine.generate(prompts, [2, 1, 1], max_new_tokens=6, greedy=True)
+    assert torch.equal(greedy.input_ids, hf.generate(prompts, [2, 1, 1], max_new_tokens=6, greedy=True).input_ids)
+
+
+@needs_vllm
 def test_weight_sync_samples_from_the_trained_policy(engines):
     """After k AdamW updates of the HF policy and a sync, vLLM's greedy tokens and log-probs are the trained
     policy's; without the sync they are not (so the check can fail)."""

@@ -62,3 +62,31 @@ def beta_at(step: int, *, schedule: str, values: list[float], total: int, beta: 
         start, end = values
         return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * (step - 1) / max(total - 1, 1)))
     raise ValueError(f"unknown β schedule {schedule!r}")
+
+
+# η: a step's entropy 10% off target moves τ by a factor e^{±0.01}. Small, because a peaked policy's entropy is very
+# sensitive to τ (d log H / d log τ was about 8 on the embedded task): η = 0.5 made τ swing 0.73–1.24 in 8 steps.
+TEMPERATURE_GAIN = 0.1
+
+
+def adapted_temperature(temperature: float, entropy: float, target: float, low: float, high: float) -> float:
+    """The next step's sampling temperature from this step's (`rollout.adaptive_temperature`).
+
+        log τ_{k+1} = clip(log τ_k + η (H* − H_k) / H*, log τ_min, log τ_max),   η = TEMPERATURE_GAIN,
+
+    with H_k the mean over this step's sampled tokens of −log π_τ(o_t) (the rollout engine's own log-probs: a
+    Monte-Carlo estimate of the per-token entropy of the distribution sampled from) and H* the target: the first
+    step's H unless `rollout.target_entropy` is given. The entropy of softmax(z/τ) grows with τ, so the loop settles
+    where the samples have the target entropy: as training sharpens the policy, τ rises to keep its exploration,
+    within [τ_min, τ_max]. The same rule adjusts SAC's entropy temperature toward a target (Haarnoja et al. 2018,
+    arXiv:1812.05905); here it is the sampling temperature, against the entropy collapse of RL on reasoning
+    (Cui et al. 2025, arXiv:2505.22617).
+
+    Why not the seed's τ = clip(std(Â), 0.5, 2.0): with group-normalised advantages std(Â) over a batch is about
+    √(share of groups whose rewards differ), so that rule lowers τ exactly as groups collapse to equal rewards, when
+    more exploration is wanted. Its bounds are kept as the defaults of [τ_min, τ_max].
+    """
+    if not math.isfinite(entropy) or not target > 0:  # nothing measured, or no entropy to aim at: hold
+        return min(max(temperature, low), high)
+    step = TEMPERATURE_GAIN * (target - entropy) / target
+    return min(max(temperature * math.exp(step), low), high)

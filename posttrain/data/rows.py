@@ -174,6 +174,9 @@ class RowSampler:
         self.rng = random.Random(seed * 1009 + rank)
         self.order: list[int] = []
 
+    def at(self, step: int) -> None:
+        """Called by the engine before each step's draws (`step`: steps done so far); uniform draws ignore it."""
+
     def state_dict(self) -> dict:
         """The generator's state and what is left of this epoch's order: enough to draw the same rows next."""
         return {"rng": self.rng.getstate(), "order": list(self.order)}

@@ -51,10 +51,11 @@ class RolloutEngine:
         """The engine for a run."""
         raise NotImplementedError
 
-    def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False) -> Batch:
-        """`n` completions of each prompt; rows i·n … i·n + n − 1 answer prompt i. `greedy` ignores the sampling
-        settings and decodes the most likely token each step."""
+    def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
+        """`n` completions of each prompt (or n[i] of prompt i), prompt by prompt: with n an int, rows i·n … i·n + n − 1
+        answer prompt i; `Batch.group` says which prompt each row answers. `greedy` ignores the sampling settings and
+        decodes the most likely token each step."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -68,6 +69,15 @@ class RolloutEngine:
     def restore(self) -> None:
         """Takes back what `release` freed, before the next rollout."""
         raise NotImplementedError
+
+
+def counts(n: int | list[int], prompts: int) -> list[int]:
+    """Completions per prompt: `n` for each of `prompts`, or the list n itself."""
+    if isinstance(n, int):
+        return [n] * prompts
+    if len(n) != prompts:
+        raise ValueError(f"generate: {len(n)} group sizes for {prompts} prompts")
+    return list(n)
 
 
 ENGINES = Registry("rollout engine", "rollout.engine")  # name -> RolloutEngine subclass

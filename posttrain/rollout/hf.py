@@ -28,7 +28,7 @@ from transformers import DynamicCache, StaticCache
 
 from posttrain.core.batch import Batch, left_pad
 from posttrain.models.scoring import position_ids
-from posttrain.rollout.base import RolloutEngine, Setup, register
+from posttrain.rollout.base import RolloutEngine, Setup, counts, register
 
 
 @register("hf")
@@ -56,11 +56,12 @@ class HFEngine(RolloutEngine):
         return cls(setup.policy, pad_id=setup.pad_id, stop_ids=setup.stop_ids, agree=setup.agree)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False) -> Batch:
+    def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
         model, pad = self.model, self.pad_id
         device = next(model.parameters()).device
-        input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad)  # [B, P]
+        sizes = counts(n, len(prompts))
+        input_ids, attention_mask = left_pad([p for p, k in zip(prompts, sizes) for _ in range(k)], pad)  # [B, P]
         input_ids, attention_mask, P = input_ids.to(device), attention_mask.to(device), input_ids.shape[1]
         was_training = model.training
         model.eval()
@@ -78,7 +79,7 @@ class HFEngine(RolloutEngine):
         response = torch.where(mask.bool(), response, torch.full_like(response, pad))
         return Batch(
             input_ids=torch.cat([input_ids, response], 1), attention_mask=torch.cat([attention_mask, mask.long()], 1),
-            mask=mask, prompt_len=P, group=torch.arange(len(prompts), device=device).repeat_interleave(n),
+            mask=mask, prompt_len=P, group=torch.arange(len(prompts), device=device).repeat_interleave(torch.tensor(sizes, device=device)),
             truncated=~ended, rollout_logp=logp * mask,
         )
 

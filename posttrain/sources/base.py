@@ -12,6 +12,7 @@ import torch
 from posttrain.core.batch import Batch
 from posttrain.core.registry import Registry
 from posttrain.data import RowSampler
+from posttrain.data.difficulty import PassRates
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
@@ -40,6 +41,7 @@ class Deps:
     rewards: RewardsConfig | None = None  # the rewards.* keys the source applies itself (the overlong punishment)
     needs: frozenset[str] = frozenset()  # what the plugin asked the engine for (`Algorithm.needs`): a source reads
     # the ones it provides ("step_reward": the judge's step rewards in the batch), never which method runs
+    pass_rates: PassRates | None = None  # each prompt's running pass rate, kept up to date by the online source
 
 
 class Source:

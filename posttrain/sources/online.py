@@ -19,6 +19,13 @@ When the plugin needs step rewards ("step_reward", process supervision), the jud
 `step_reward` (each step's reward at its end token, 0 elsewhere) and `step_end` (1.0 at the end tokens); the end
 token of a step is found in the sampled ids themselves (`posttrain.data.steps`). They are scored for the samples
 trained on only, after dynamic sampling has chosen them by their outcome rewards.
+
+With `rollout.adaptive_group_size` each prompt gets its own group size from its running pass rate
+(`posttrain.data.difficulty`), the step's samples still batch_size × n; the judge's verdicts on every sample then
+update the pass rates (`PassRates`, shared with a pass-rate curriculum). With `rollout.adaptive_temperature` the
+engine sets `temperature` before each step (`posttrain.core.schedules.adapted_temperature`). With
+`rollout.elite_pool` each step's groups are compared with the best completion stored for their prompt and may get it
+back (`posttrain.sources.elite`), after dynamic sampling and before step rewards are scored.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 
 from posttrain.core.batch import Batch, concat
 from posttrain.data import RowSampler, completion_texts, prompt_ids
+from posttrain.data.difficulty import PassRates, group_sizes
 from posttrain.data.steps import step_tensors
 from posttrain.judge import Judge
 from posttrain.rewards.base import COUNTS
@@ -36,6 +44,7 @@ from posttrain.rewards.overlong import overlong_penalty
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
 from posttrain.sources.base import Source, register
+from posttrain.sources.elite import ElitePool
 
 
 @register("online")
@@ -44,30 +53,44 @@ class Online(Source):
 
     def __init__(self, sampler: RowSampler, tokenizer, data: DataConfig, batch_size: int, rollout: RolloutEngine,
                  sampling: RolloutConfig, judge: Judge, n: int, agree=None, rewards: RewardsConfig | None = None,
-                 step_rewards: bool = False):
+                 step_rewards: bool = False, pass_rates: PassRates | None = None):
         self.sampler, self.tokenizer, self.data, self.batch_size = sampler, tokenizer, data, batch_size
         self.rollout, self.sampling, self.judge, self.n = rollout, sampling, judge, n
         self.agree = agree or (lambda flag: flag)
         self.rewards = rewards or RewardsConfig()
         self.step_rewards = step_rewards
+        self.pass_rates = pass_rates  # updated from the judge's verdicts when given
+        self.temperature = sampling.temperature  # the next round's (the engine adapts it, if asked)
+        self.elite = ElitePool(sampling.elite_pool, tokenizer.pad_token_id) if sampling.elite_pool else None
+        self.target_entropy = sampling.target_entropy  # adaptive_temperature's target; the engine sets a null one
 
     @classmethod
     def from_deps(cls, d) -> Online:
         return cls(d.sampler, d.tokenizer, d.data, d.batch_size, d.rollout, d.sampling, d.judge, d.samples_per_prompt,
-                   d.agree, d.rewards, "step_reward" in d.needs)
+                   d.agree, d.rewards, "step_reward" in d.needs, d.pass_rates)
 
     def sample(self) -> tuple[Batch, dict, list[dict], list[str], torch.Tensor]:
         """One round: `batch_size` new prompts, n samples each, judged. Returns the batch (its rewards with the
         overlong punishment, if on), its stats, each sample's row and text, and the judge's rewards alone [B]."""
         rows = self.sampler.next(self.batch_size)
-        s = self.sampling
+        s, sizes = self.sampling, [self.n] * self.batch_size
+        if s.adaptive_group_size:
+            sizes = group_sizes([self.pass_rates.get(r) for r in rows], size=self.n, low=s.min_group_size,
+                                high=s.max_group_size, target=s.group_size_target)
         t0 = time.perf_counter()
-        batch = self.rollout.generate(prompt_ids(self.tokenizer, rows, self.data), self.n,
-                                      max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
+        batch = self.rollout.generate(prompt_ids(self.tokenizer, rows, self.data), sizes if s.adaptive_group_size
+                                      else self.n, max_new_tokens=s.max_new_tokens, temperature=self.temperature,
+                                      top_p=s.top_p)
         stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum())}
+        if s.adaptive_group_size:
+            stats.update({"group_size/min": float(min(sizes)), "group_size/max": float(max(sizes))})
         t0 = time.perf_counter()
-        rows, texts = [r for r in rows for _ in range(self.n)], completion_texts(self.tokenizer, batch)
-        outcome, reward_stats = self.judge.score(rows, texts)  # [B] on the CPU
+        rows, texts = [r for r, k in zip(rows, sizes) for _ in range(k)], completion_texts(self.tokenizer, batch)
+        outcome, reward_stats = self.judge.score(rows, texts, group=batch.group.cpu())  # [B] on the CPU
+        if self.pass_rates is not None:
+            correct = self.judge.correct(rows, texts)
+            self.pass_rates.observe(rows, correct)
+            reward_stats["pass_rate"] = sum(correct) / len(correct)
         batch.reward = outcome
         if self.rewards.overlong_buffer:
             penalty = self.rewards.overlong_penalty * overlong_penalty(batch.mask.sum(-1).cpu(), batch.truncated.cpu(),
@@ -82,6 +105,12 @@ class Online(Source):
             batch, stats, rows, texts = self.dynamic()
         else:
             batch, stats, rows, texts, _ = self.sample()
+        if self.elite is not None:  # after dynamic sampling has kept groups by their own samples' rewards
+            batch, replayed = self.elite.inject(batch)
+            self.elite.update(batch)
+            stats.update(self.elite.metrics(replayed))
+            if replayed:
+                texts = completion_texts(self.tokenizer, batch)
         if self.step_rewards:  # of the samples trained on only (the process reward model is a forward each)
             t0 = time.perf_counter()
             steps = self.judge.score_steps(rows, texts)
@@ -130,6 +159,23 @@ class Online(Source):
         batch = concat(parts, self.tokenizer.pad_token_id)
         batch.group = (torch.arange(len(batch)) // self.n).to(batch.group.device)  # rows i·n … i·n + n − 1: group i
         return batch, stats, rows, texts
+
+
+    def state_dict(self) -> dict:
+        """The sampler's position, and what adapts over the run: the pass rates and the temperature."""
+        state = {**super().state_dict(), "temperature": self.temperature, "target_entropy": self.target_entropy}
+        if self.elite is not None:
+            state["elite"] = self.elite.state_dict()
+        return {**state, "pass_rates": self.pass_rates.state_dict()} if self.pass_rates is not None else state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.temperature = state.get("temperature", self.temperature)
+        self.target_entropy = state.get("target_entropy", self.target_entropy)
+        if self.pass_rates is not None:
+            self.pass_rates.load_state_dict(state["pass_rates"])
+        if self.elite is not None:
+            self.elite.load_state_dict(state["elite"])
 
 
 def merged(stats: list[dict]) -> dict[str, float]:

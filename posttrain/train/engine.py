@@ -27,8 +27,10 @@ from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
-from posttrain.core.schedules import beta_at, lr_factor
+from posttrain.core.schedules import adapted_temperature, beta_at, lr_factor
 from posttrain.data import RowSampler, uses_chat
+from posttrain.data.curriculum import Curriculum
+from posttrain.data.difficulty import PassRates
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
@@ -117,16 +119,24 @@ class Engine:
                                                              float(cfg.rollout.max_new_tokens))
         unit = self.plugin.unit
         self.micro = max(unit, t.micro_batch_size // unit * unit)
+        d = cfg.data
+        with_rates = cfg.rollout.adaptive_group_size or d.curriculum == "pass_rate"
+        self.pass_rates = PassRates(d.prompt_field) if with_rates else None  # the online source keeps them
+        draws = RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size)
+        if d.curriculum != "none":
+            draws = Curriculum(self.train_rows, cfg.seed, backend.rank, backend.world_size, mode=d.curriculum,
+                                 field=d.difficulty_field, start=d.curriculum_start,
+                                 ramp_steps=d.curriculum_steps or max(1, t.steps // 2),
+                                 pass_rate=self.pass_rates and self.pass_rates.get, floor=d.curriculum_floor)
         with backend.autocast():  # sources that sample a fixed set (RFT) do it here
             self.source = source.from_deps(Deps(
-                tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size,
-                sampler=RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size),
+                tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=draws,
                 micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
                 samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
                 judge=self.judge,
                 score_reference=(lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference else None,
                 model_path=self.model_path, cache_dir=cache_root(cfg), agree=backend.agree,
-                rewards=cfg.rewards, needs=frozenset(self.needs)))
+                rewards=cfg.rewards, needs=frozenset(self.needs), pass_rates=self.pass_rates))
         ref = self.ref
         if self.source.scores_reference:
             self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
@@ -221,20 +231,31 @@ class Engine:
 
     def coefficient(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the truncated
-        importance weight when `rollout.tis_cap` is set and the rollout engine reported its log-probs."""
+        importance weight when `rollout.tis_cap` is set and the rollout engine reported its log-probs; on rows replayed
+        from an elite pool (sources/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap) instead."""
         gc, m = self.plugin.coefficient(mb, logp, self.cfg.algorithm)  # [b, R]
         if mb.rollout_logp is None:
             return gc, m
         # log π_trainer under the weights that sampled: old_logp, or this forward when it is the step's only update
         # (the engine asks for old_logp otherwise)
         at_sampling = mb.old_logp if mb.old_logp is not None else logp  # [b, R]
+        fresh = fresh_mask(mb)  # [b, R] a replayed row's rollout_logp is μ's, not this step's rollout engine's
         if mb.old_logp is None:
-            self.observe_mismatch(at_sampling, mb.rollout_logp, mb.mask)
-        if self.tis_cap is None:
+            self.observe_mismatch(at_sampling, mb.rollout_logp, fresh)
+        replayed = mb.extra.get("replayed")  # [b] 1.0 on rows an older policy μ drew; None: no elite pool
+        if self.tis_cap is None and replayed is None:
             return gc, m
-        weight = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap)  # [b, R]
-        capped = ((weight == self.tis_cap).float() * mb.mask).sum() / mb.mask.sum().clamp(min=1)
-        return gc * weight, {**m, "mismatch/tis_capped": capped}
+        weight = torch.ones_like(gc)  # [b, R]
+        if self.tis_cap is not None:
+            weight = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap)  # [b, R]
+            capped = ((weight == self.tis_cap).float() * fresh).sum() / fresh.sum().clamp(min=1)
+            m = {**m, "mismatch/tis_capped": capped}
+        if replayed is not None:  # the same truncated ratio, of π_old to μ (the replayed rows' rollout_logp)
+            elite = tis_weight(at_sampling, mb.rollout_logp, self.cfg.rollout.elite_is_cap)  # [b, R]
+            weight = torch.where(replayed[:, None] > 0, elite, weight)  # [b, R]
+            on = mb.mask * replayed[:, None]  # [b, R] replayed tokens
+            m = {**m, "elite/is_weight": (elite * on).sum() / on.sum().clamp(min=1)}
+        return gc * weight, m
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """One optimizer step (policy, and critic if any) on the gradient of the whole batch.
@@ -290,9 +311,14 @@ class Engine:
         if scheduled:
             self.cfg.algorithm.beta = beta_at(self.steps_done, schedule=t.beta_schedule, values=t.beta_values,
                                               total=t.steps, beta=self.cfg.algorithm.beta)
+        self.source.sampler.at(self.steps_done - 1)  # a curriculum's progress: the steps done before this one
+        if self.source.on_policy:  # scored at the temperature the batch is sampled at
+            self.temperature = self.source.temperature
         with phases.phase("rollout"), self.backend.autocast():  # sampling and rewards; collation if offline
             batch, stats = self.source.next()
             batch = batch.to(self.backend.device)
+        if self.cfg.rollout.adaptive_temperature:
+            stats.update(self.adapt_temperature(batch))
         with phases.phase("scoring"):
             if self.has_reference:
                 batch.ref_logp = self.reference_logp(batch)
@@ -302,7 +328,7 @@ class Engine:
                 batch.extra["values"] = self.values(batch)
         self.mismatch = torch.zeros(3, device=self.backend.device)
         if batch.rollout_logp is not None and batch.old_logp is not None:
-            self.observe_mismatch(batch.old_logp, batch.rollout_logp, batch.mask)
+            self.observe_mismatch(batch.old_logp, batch.rollout_logp, fresh_mask(batch))
         batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
@@ -333,6 +359,20 @@ class Engine:
         return {**stats, **reduced, "trained_tokens": trained, "lr": lr,
                 **({"beta": self.cfg.algorithm.beta} if scheduled else {}),
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
+
+    def adapt_temperature(self, batch: Batch) -> dict[str, float]:
+        """Sets the next step's sampling temperature from this batch's entropy (`adapted_temperature`), the same on
+        every process; returns this step's temperature and entropy for the metrics."""
+        r = self.cfg.rollout
+        sums = torch.stack([-(batch.rollout_logp * batch.mask).sum(), batch.mask.sum()]).float()
+        nats, tokens = self.backend.reduce(sums.to(self.backend.device), "sum").tolist()
+        entropy = nats / max(tokens, 1.0)  # per sampled token, over every process
+        source = self.source
+        if source.target_entropy is None:  # no target given: the first step's entropy
+            source.target_entropy = entropy
+        source.temperature = adapted_temperature(self.temperature, entropy, source.target_entropy, r.min_temperature,
+                                                 r.max_temperature)
+        return {"temperature": self.temperature, "entropy": entropy}
 
     def sync_rollout(self) -> None:
         """Gives a rollout engine that holds its own copy of the weights (vLLM) the policy's current ones."""
@@ -368,6 +408,13 @@ def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tens
     d = (trainer - sampled) * mask  # [B, R]
     k3 = (d.exp() - 1 - d) * mask  # [B, R]
     return torch.stack([k3.sum(), mask.sum(), d.abs().max() if d.numel() else d.new_zeros(())])
+
+
+def fresh_mask(batch: Batch) -> torch.Tensor:
+    """[B, R] `mask` less the rows replayed from an elite pool (`extra["replayed"]`, sources/elite.py): the tokens
+    this step's rollout engine drew, whose `rollout_logp` measures the train-inference mismatch."""
+    replayed = batch.extra.get("replayed")  # [B] or None
+    return batch.mask if replayed is None else batch.mask * (1 - replayed)[:, None].to(batch.mask.dtype)
 
 
 def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float) -> torch.Tensor:
