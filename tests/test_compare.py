@@ -160,3 +160,70 @@ def test_estimator_agrees_with_measured_roles(tmp_path, size):
     for role, est in expected.items():
         assert abs(roles[role] - est) / est < 0.10, (role, roles[role], est)
     assert measured["estimated_roles_bytes"] == expected  # what the report shows next to the measured bytes
+
+
+def test_spread_pairs_seeds_and_reads_mean_plus_minus_sd():
+    from posttrain.apps.spread import Spread, beyond, over_seeds
+
+    before, after = Spread((0.2, 0.4, 0.3)), Spread((0.5, 0.6, 0.7))
+    change = after - before  # seed by seed: 0.3, 0.2, 0.4
+    assert change.values == pytest.approx((0.3, 0.2, 0.4)) and change.mean == pytest.approx(0.3)
+    assert change.sd == pytest.approx(0.1) and format(change, "+.3f") == "+0.300 ± 0.100"
+    assert format(Spread((1.0, 1.0)) / 2, ".2f") == "0.50 ± 0.00" and sum([Spread((1.0, 2.0)), 1]).values == (2, 3)
+    assert beyond(Spread((0.5, 0.6)), Spread((0.9, 1.0))) and not beyond(Spread((0.5, 0.7)), Spread((0.6, 0.8)))
+    a, b = fake_run(), fake_run()
+    b["accuracy_after"], b["curve"][-1]["eval_accuracy"], b["wall_seconds"] = 0.95, 0.95, 22.0
+    merged = over_seeds([a, b])
+    assert merged["steps"] == 3 and merged["memory"]["roles_bytes"]["policy_weights"] == 2**20  # equal: as it was
+    assert merged["accuracy_after"].values == (0.75, 0.95) and merged["wall_seconds"].values == (20.0, 22.0)
+    assert merged["curve"][-1]["eval_accuracy"].values == (0.75, 0.95) and merged["curve"][0]["eval_accuracy"] == 0.25
+    assert over_seeds([a]) is a
+
+
+def test_report_over_seeds_says_which_differences_exceed_the_spread(tmp_path):
+    from posttrain.apps.spread import over_seeds
+
+    def seeds(*accuracies):
+        runs = []
+        for acc in accuracies:
+            run = fake_run()
+            run["accuracy_after"] = run["curve"][-1]["eval_accuracy"] = acc
+            runs.append(run)
+        return runs
+
+    per_seed = {"a": seeds(0.50, 0.52, 0.54), "b": seeds(0.70, 0.72, 0.74), "c": seeds(0.45, 0.55, 0.65)}
+    runs = {name: over_seeds(each) for name, each in per_seed.items()}
+    p = compare.Plan({n: n for n in runs}, list(runs), tmp_path, ["train.steps=3"], 3, 2, seed_list=[0, 1, 2])
+    compare.report(runs, p, per_seed)
+    md = (tmp_path / "compare.md").read_text()
+    assert "| held-out accuracy after | 0.520 ± 0.020 | 0.720 ± 0.020 | 0.550 ± 0.100 |" in md
+    assert "| held-out accuracy after | a | b | +0.200 | 0.040 | yes |" in md  # bars 0.50–0.54 and 0.70–0.74
+    assert "| held-out accuracy after | a | c | +0.030 | 0.120 | no |" in md
+    assert "| held-out accuracy after | b | c | -0.170 | 0.120 | yes |" in md
+    assert "seeds 0, 1, 2" in md
+    written = json.loads((tmp_path / "compare.json").read_text())
+    assert written["runs"]["a"]["accuracy_after"]["mean"] == pytest.approx(0.52)
+    assert written["runs"]["a"]["accuracy_after"]["values"] == [0.5, 0.52, 0.54]
+    assert [r["accuracy_after"] for r in written["seed_runs"]["c"]] == [0.45, 0.55, 0.65]
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_compare_over_seeds_runs_each_recipe_once_per_seed(tiny_model_dir, tmp_path):
+    out = tmp_path / "cmp"
+    p = compare.plan(["grpo_math", "seeds=2", "seed=5", f"output_dir={out}"])
+    assert p.seed_list == [5, 6] and not any(o.startswith("seed=") for o in p.overrides)
+    assert p.runs("grpo_math") == [(out / "grpo_math" / "seed_5", ["seed=5"]),
+                                   (out / "grpo_math" / "seed_6", ["seed=6"])]
+    proc = posttrain("compare", "grpo_math", "online_rft_math", f"model.path={tiny_model_dir}", "steps=1", "seeds=2",
+                     f"output_dir={out}", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "[grpo_math, seed=1] step 1/1" in proc.stderr
+    for name in ("grpo_math", "online_rft_math"):
+        for seed in (0, 1):
+            run = out / name / f"seed_{seed}"
+            assert json.loads((run / "summary.json").read_text())["steps"] == 1
+    report = json.loads((out / "compare.json").read_text())
+    assert report["settings"]["seeds"] == [0, 1] and len(report["seed_runs"]["grpo_math"]) == 2
+    configs = [(out / "grpo_math" / f"seed_{s}" / "config.yaml").read_text() for s in (0, 1)]
+    assert "\nseed: 0\n" in configs[0] and "\nseed: 1\n" in configs[1]
+    assert "Differences beyond the seed-to-seed spread" in (out / "compare.md").read_text()

@@ -7,7 +7,7 @@ import pytest
 from test_cli import assert_one_line_error, posttrain
 
 from posttrain.rewards.accuracy import extract_answer
-from posttrain.train.evaluation import majority, pass_at_k
+from posttrain.train.evaluation import majority, majority_right, pass_at_k
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 16])
@@ -28,6 +28,15 @@ def test_majority_votes_over_answers_and_breaks_ties_by_first_seen():
     assert majority([None, None]) is None and majority([]) is None
 
 
+def test_maj_at_k_over_disjoint_runs_of_k_samples():
+    finals, right = ["1", "2", "1", "3", "3", "3", None], [True, False, True, False, False, False, False]
+    assert majority_right(finals, right, 1) == pytest.approx(2 / 7)  # each sample alone
+    assert majority_right(finals, right, 2) == pytest.approx(2 / 3)  # [1, 2] -> 1, [1, 3] -> 1, [3, 3] -> 3
+    assert majority_right(finals, right, 3) == pytest.approx(1 / 2)  # [1, 2, 1] -> 1, [3, 3, 3] -> 3
+    assert majority_right(finals, right, 4) == 1.0  # [1, 2, 1, 3] -> 1; the last three are left over
+    assert majority_right([None, None], [False, False], 2) == 0.0  # no answer, no vote
+
+
 def test_posttrain_eval_reports_greedy_pass_and_maj_with_records(tiny_model_dir, tmp_path):
     out = tmp_path / "eval.json"
     proc = posttrain("eval", tiny_model_dir, "eval.k=2", "eval.n=3", "eval.num_problems=5", "eval.batch_size=2",
@@ -44,6 +53,14 @@ def test_posttrain_eval_reports_greedy_pass_and_maj_with_records(tiny_model_dir,
         assert r["majority_answer"] == majority([extract_answer(s["completion"]) for s in r["samples"][:2]])
     assert report["pass@2"] == pytest.approx(sum(pass_at_k(3, r["correct_samples"], 2) for r in records) / 5)
     assert report["maj@2"] == pytest.approx(sum(r["majority_correct"] for r in records) / 5)
+    curve = report["curve"]  # K = 1, 2 ≤ n = 3, from the same samples
+    assert curve["K"] == [1, 2]
+    assert curve["pass"] == pytest.approx([sum(pass_at_k(3, r["correct_samples"], K) for r in records) / 5
+                                           for K in (1, 2)])
+    finals = [[extract_answer(s["completion"]) for s in r["samples"]] for r in records]
+    rights = [[s["correct"] for s in r["samples"]] for r in records]
+    assert curve["maj"] == pytest.approx([sum(majority_right(f, c, K) for f, c in zip(finals, rights)) / 5
+                                          for K in (1, 2)])
     written = out.read_text()
     assert_one_line_error(posttrain("eval", tiny_model_dir, "-o", out), f"{out}: already exists")
     assert out.read_text() == written  # nothing on disk replaced

@@ -6,6 +6,7 @@
     posttrain eval MODEL_DIR [eval.k=8 key=value ...]     greedy accuracy, pass@k and maj@k of a model
     posttrain estimate model=DIR_OR_PRESET gpus=N ...     per-GPU memory of SFT, DPO, PPO and GRPO
     posttrain compare RECIPE RECIPE ... [key=value ...]   run recipes on one budget and report them side by side
+    posttrain reproduce figure5|figure7 [seeds=3 ...]     DeepSeekMath's Figures 5 and 7 at toy scale, with seeds
 
 Exit status: 0 done, 2 bad input (one line naming the culprit), 1 internal error.
 """
@@ -112,6 +113,12 @@ def cmd_compare(args) -> int:
     return compare.main(args.items)
 
 
+def cmd_reproduce(args) -> int:
+    from posttrain.apps import reproduce
+
+    return reproduce.main(args.figure, args.items)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
                                 "over one shared engine: SFT, RFT, Online RFT, DPO, PPO, GRPO.", epilog=EPILOG)
@@ -151,11 +158,21 @@ def parser() -> argparse.ArgumentParser:
     est.set_defaults(func=cmd_estimate)
     cmp = sub.add_parser("compare", help="run several recipes on one budget and compare memory, time and accuracy",
                          description="Compare recipes: posttrain compare ppo_math grpo_math [steps=N] [eval_every=N] "
-                         "[output_dir=runs/compare] [overwrite=true] [key=value ...]. Each recipe runs in its own "
-                         "process with the same overrides (seed, model, task, step budget); writes compare.md, "
-                         "compare.json and compare.png to output_dir. See docs/compare.md.", epilog=EPILOG)
+                         "[seeds=N] [output_dir=runs/compare] [overwrite=true] [key=value ...]. Each recipe runs in "
+                         "its own process with the same overrides (seed, model, task, step budget), N times with "
+                         "seeds=N (figures then mean ± sd); writes compare.md, compare.json and compare.png to "
+                         "output_dir. See docs/compare.md.", epilog=EPILOG)
     cmp.add_argument("items", nargs="*", metavar="RECIPE ... key=value")
     cmp.set_defaults(func=cmd_compare)
+    rep = sub.add_parser("reproduce", help="DeepSeekMath's Figure 5 or Figure 7 at toy scale, with seeds",
+                         description="posttrain reproduce figure5 [seeds=3] [steps=100]: RFT, Online RFT, GRPO and "
+                         "GRPO+PS on one budget, held-out accuracy against step. posttrain reproduce figure7 [seeds=3] "
+                         "[steps=140] [k=64] [problems=200]: Maj@K and Pass@K before and after GRPO. Both take "
+                         "[output_dir=DIR] [overwrite=true] and run overrides, and write a report (figureN.md, .png, "
+                         ".json) to output_dir. See docs/reproduction.md.", epilog=EPILOG)
+    rep.add_argument("figure", metavar="figure5|figure7")
+    rep.add_argument("items", nargs="*", metavar="key=value")
+    rep.set_defaults(func=cmd_reproduce)
     return p
 
 

@@ -1,14 +1,16 @@
 """`posttrain compare`: several recipes on one budget, side by side.
 
-    posttrain compare ppo_math grpo_math [steps=N] [eval_every=N] [output_dir=runs/compare] [overwrite=true]
-                      [key=value ...]
+    posttrain compare ppo_math grpo_math [steps=N] [eval_every=N] [seeds=N] [output_dir=runs/compare]
+                      [overwrite=true] [key=value ...]
 
 Each recipe runs in its own process (`python -m posttrain run`), one after another, so wall times and peak memory do
 not mix. Every run gets the same overrides, and compare adds what a fair comparison needs: the same `seed`, the same
 step budget (`steps`, default the smallest `train.steps` among the recipes), the same held-out problems (the smallest
 `eval.num_problems`) and an evaluation every `eval_every` steps (default steps // 5), so that accuracy is recorded
 against step and wall time. Other differences between the recipes' model, data, rollout or reward settings are
-reported as notes, not changed.
+reported as notes, not changed. With `seeds=N` each recipe runs N times, with seeds seed, seed + 1, …, into
+output_dir/<recipe>/seed_<s>; every figure is then reported as mean ± sd over the seeds (`posttrain.apps.spread`),
+the plots draw bands and error bars, and the report lists which differences between recipes exceed the spread.
 
 The report reads what each run recorded (summary.json and metrics.jsonl) and puts the recipes side by side, as many
 as were given:
@@ -37,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain import config
+from posttrain.apps.spread import Spread, mean_of, over_seeds, sd_of, verdicts
 from posttrain.core.errors import ConfigError, UserError
 
-OWN_KEYS = ("output_dir", "overwrite", "steps", "eval_every")
+OWN_KEYS = ("output_dir", "overwrite", "steps", "eval_every", "seeds")
 ROLES = {  # role in summary.json -> label, in report order; a role not listed is shown too (`roles_of`)
     "policy_weights": "policy weights", "policy_gradients": "policy gradients",
     "policy_optimizer_state": "policy AdamW state", "reference_weights": "reference weights",
@@ -78,10 +81,17 @@ class Plan:
     recipes: dict[str, str]  # run name -> recipe name or path
     argv: list[str]  # as given, for the report
     out: Path
-    overrides: list[str]
+    overrides: list[str]  # with `seed=` when one seed; without it when several (`seed_list`)
     steps: int
     eval_every: int
     notes: list[str] = field(default_factory=list)
+    seed_list: list[int] = field(default_factory=list)  # seeds=N: the seeds each recipe runs with; [] for one run
+
+    def runs(self, name: str) -> list[tuple[Path, list[str]]]:
+        """(run directory, extra overrides) of each run of recipe `name`."""
+        if not self.seed_list:
+            return [(self.out / name, [])]
+        return [(self.out / name / f"seed_{s}", [f"seed={s}"]) for s in self.seed_list]
 
 
 def _int(settings: dict, key: str, low: int) -> int | None:
@@ -139,6 +149,7 @@ def plan(argv: list[str]) -> Plan:
 
     resolved, notes = _load_all(recipes, passed), []
     own = {"train.steps": _int(settings, "steps", 1), "eval.every": _int(settings, "eval_every", 0)}
+    seeds = _int(settings, "seeds", 1) or 1
     user_keys = {item.partition("=")[0] for item in passed}
     per = {name: config.flatten(tree) for name, tree in resolved.items()}
 
@@ -166,7 +177,11 @@ def plan(argv: list[str]) -> Plan:
         if key.startswith(ALIGNED) and len({json.dumps(flat.get(key)) for flat in per.values()}) > 1:
             notes.append(f"the recipes differ in {key} ({values(key)}); pass {key}=… to align them")
     every = next(iter(per.values()))["eval.every"]
-    return Plan(recipes, argv, out, overrides, own["train.steps"], every, notes)
+    if seeds == 1:
+        return Plan(recipes, argv, out, overrides, own["train.steps"], every, notes)
+    base = next(iter(per.values()))["seed"]
+    overrides = [o for o in overrides if o.partition("=")[0] != "seed"]
+    return Plan(recipes, argv, out, overrides, own["train.steps"], every, notes, list(range(base, base + seeds)))
 
 
 class RunFailed(Exception):
@@ -175,10 +190,11 @@ class RunFailed(Exception):
         self.name, self.code, self.last_line = name, code, last_line
 
 
-def run_one(name: str, recipe: str, plan: Plan, tag: str) -> None:
-    """One `posttrain run` in its own process; its output goes to our stderr, one line at a time, tagged."""
-    cmd = [sys.executable, "-m", "posttrain", "run", f"recipe={recipe}", *plan.overrides,
-           f"output_dir={plan.out / name}", "overwrite=true"]
+def run_one(name: str, recipe: str, plan: Plan, tag: str, out: Path | None = None, extra: tuple = ()) -> None:
+    """One `posttrain run` in its own process, into `out` (default output_dir/name), with the plan's overrides and
+    `extra`; its output goes to our stderr, one line at a time, tagged."""
+    cmd = [sys.executable, "-m", "posttrain", "run", f"recipe={recipe}", *plan.overrides, *extra,
+           f"output_dir={out or plan.out / name}", "overwrite=true"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     last = ""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -366,12 +382,33 @@ def markdown(runs: dict[str, dict], plan: Plan) -> str:
              "explains each row.",
              ""]
     lines += [f"- note: {n}" for n in plan.notes] + ([""] if plan.notes else [])
+    if plan.seed_list:
+        lines += [f"Each recipe ran with seeds {', '.join(map(str, plan.seed_list))}; every figure that differs "
+                  "between them is their mean ± sample sd.", ""]
     for title, header, rows in tables(runs):
         lines += [f"## {title}", "", "| " + " | ".join(header) + " |",
                   "|---|" + "---:|" * (len(header) - 1)]
         lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+    if plan.seed_list and len(runs) > 1:
+        lines += spread_section(runs)
     lines += ["![memory by role, time by phase, accuracy against wall time](compare.png)", ""]
     return "\n".join(lines)
+
+
+def spread_section(runs: dict[str, dict]) -> list[str]:
+    """Markdown: for every pair of recipes, whether their held-out accuracy after, and its change, differ by more
+    than the seed-to-seed spread (sd_a + sd_b; `posttrain.apps.spread`)."""
+    lines = ["## Differences beyond the seed-to-seed spread", "",
+             "A difference counts when |mean_b − mean_a| > sd_a + sd_b (the ± bars do not overlap): a rough screen "
+             "with few seeds, not a significance test.", "",
+             "| figure | a | b | mean b − mean a | sd a + sd b | beyond the spread |", "|---|---|---|---:|---:|---|"]
+    change = {n: r["accuracy_after"] - r["accuracy_before"] if r["accuracy_before"] is not None else None
+              for n, r in runs.items()}
+    for label, figures in (("held-out accuracy after", {n: r["accuracy_after"] for n, r in runs.items()}),
+                           ("change in held-out accuracy", change)):
+        for a, b, diff, bar, yes in verdicts(figures):
+            lines.append(f"| {label} | {a} | {b} | {diff:+.3f} | {bar:.3f} | {'yes' if yes else 'no'} |")
+    return lines + [""]
 
 
 def show(runs: dict[str, dict]) -> None:
@@ -389,7 +426,8 @@ def show(runs: dict[str, dict]) -> None:
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
-    """Three panels: memory by role (stacked, MiB), time by phase (stacked medians, s), accuracy against wall time."""
+    """Four panels: memory by role (stacked, MiB), time by phase (stacked medians, s), held-out accuracy against
+    step and against wall time. Figures over seeds are drawn at their mean, with ± sd as error bars and bands."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -397,50 +435,70 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 
     names, rs = list(runs), list(runs.values())
     x = list(range(len(names)))
-    fig, (mem, tim, acc) = plt.subplots(1, 3, figsize=(16, 5.6), constrained_layout=True)
+    fig, (mem, tim, by_step, by_wall) = plt.subplots(1, 4, figsize=(21, 5.6), constrained_layout=True)
 
-    def stack(ax, series, colors, unit, fmt=_mb):
+    def stack(ax, series, colors, unit, fmt=_mb, totals=None):
         bottom = [0.0] * len(rs)
         for label, values, color in zip(series, series.values(), colors):
             ax.bar(x, values, 0.6, bottom=bottom, label=label, color=color, edgecolor="white", linewidth=0.5)
             bottom = [b + v for b, v in zip(bottom, values)]
+        errors = [sd_of(t) for t in totals] if totals else [0.0] * len(rs)
+        if any(errors):
+            ax.errorbar(x, bottom, yerr=errors, fmt="none", ecolor="black", capsize=4, linewidth=1)
         for i, total in enumerate(bottom):
-            ax.annotate(fmt(total), (i, total), ha="center", va="bottom", fontsize=9)
+            ax.annotate(fmt(total), (i, total + errors[i]), ha="center", va="bottom", fontsize=9)
         ax.set_xticks(x, names, rotation=20 if len(names) > 3 else 0)
         ax.set_ylabel(unit)
-        ax.set_ylim(0, max(bottom, default=0) * 1.12 or 1)
+        ax.set_ylim(0, max((b + e for b, e in zip(bottom, errors)), default=0) * 1.12 or 1)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
 
     roles = roles_of(rs)
     others = iter(OTHER_COLORS * len(roles))
-    stack(mem, {role_label(k): [r["memory"]["roles_bytes"].get(k, 0) / MIB for r in rs] for k in roles},
+    stack(mem, {role_label(k): [mean_of(r["memory"]["roles_bytes"].get(k, 0)) / MIB for r in rs] for k in roles},
           [COLORS.get(k) or next(others) for k in roles], "MiB")
     mem.set_title("memory held by each role")
     phases = ("rollout", "reward", "scoring", "update", "other")
-    stack(tim, {PHASE_LABELS[p]: [max(0.0, r["time_median_s"][p] or 0.0) for r in rs] for p in phases},
-          ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#b0b0b0"], "seconds per step (median)", lambda t: f"{t:.3g} s")
+    stack(tim, {PHASE_LABELS[p]: [max(0.0, mean_of(r["time_median_s"][p]) or 0.0) for r in rs] for p in phases},
+          ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#b0b0b0"], "seconds per step (median)", lambda t: f"{t:.3g} s",
+          totals=[r["time_median_s"]["step"] for r in rs])
     tim.set_title("time per step by phase")
     for name, r in runs.items():
-        pts = [(p["wall_seconds"], p["eval_accuracy"]) for p in r["curve"] if p.get("eval_accuracy") is not None]
-        if pts:
-            acc.plot(*zip(*pts), marker="o", label=name)
-    acc.set_xlabel("wall time (s)")
-    acc.set_ylabel("held-out accuracy (greedy)")
-    top = max((y for line in acc.lines for y in line.get_ydata()), default=0.0)
-    acc.set_ylim(0, min(1.0, max(0.05, top * 1.15)))
-    acc.set_title("held-out accuracy against wall time")
-    acc.grid(alpha=0.3)
-    if acc.lines:
-        acc.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
+        pts = [p for p in r["curve"] if p.get("eval_accuracy") is not None]
+        if not pts:
+            continue
+        acc = [mean_of(p["eval_accuracy"]) for p in pts]
+        sd = [sd_of(p["eval_accuracy"]) for p in pts]
+        steps, walls = [p["step"] for p in pts], [mean_of(p["wall_seconds"]) for p in pts]
+        line, = by_step.plot(steps, acc, marker="o", label=name)
+        by_wall.plot(walls, acc, marker="o", label=name, color=line.get_color())
+        if any(sd):
+            low, high = [a - d for a, d in zip(acc, sd)], [a + d for a, d in zip(acc, sd)]
+            by_step.fill_between(steps, low, high, color=line.get_color(), alpha=0.18, linewidth=0)
+            by_wall.errorbar(walls, acc, yerr=sd, fmt="none", ecolor=line.get_color(), alpha=0.5, capsize=3)
+    seeds = " (mean ± sd over seeds)" if any(isinstance(p.get("eval_accuracy"), Spread)
+                                            for r in rs for p in r["curve"]) else ""
+    for ax, label, title in ((by_step, "step", "held-out accuracy against step"),
+                             (by_wall, "wall time (s)", "held-out accuracy against wall time")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out accuracy (greedy)" + seeds)
+        top = max((y for line in ax.lines for y in line.get_ydata()), default=0.0)
+        ax.set_ylim(0, min(1.0, max(0.05, top * 1.15)))
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8, frameon=False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def report(runs: dict[str, dict], plan: Plan) -> None:
-    """Writes compare.json, compare.md and compare.png to plan.out and prints the tables."""
+def report(runs: dict[str, dict], plan: Plan, seeds: dict[str, list[dict]] | None = None) -> None:
+    """Writes compare.json (with each seed's numbers, when several), compare.md and compare.png to plan.out and
+    prints the tables."""
     settings = {"recipes": plan.recipes, "steps": plan.steps, "eval_every": plan.eval_every,
-                "overrides": plan.overrides, "notes": plan.notes}
-    (plan.out / "compare.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=2) + "\n")
+                "overrides": plan.overrides, "notes": plan.notes, "seeds": plan.seed_list or None}
+    tree = {"settings": settings, "runs": runs, **({"seed_runs": seeds} if seeds else {})}
+    as_json = lambda x: x.as_json() if isinstance(x, Spread) else str(x)  # noqa: E731
+    (plan.out / "compare.json").write_text(json.dumps(tree, indent=2, default=as_json) + "\n")
     (plan.out / "compare.md").write_text(markdown(runs, plan))
     plot(runs, plan.out / "compare.png")
     show(runs)
@@ -452,17 +510,20 @@ def main(argv: list[str]) -> int:
     p = plan(argv)
     for note in p.notes:
         print(f"posttrain compare: {note}", file=sys.stderr)
-    for i, (name, recipe) in enumerate(p.recipes.items(), 1):
-        print(f"posttrain compare: running {name} ({i}/{len(p.recipes)}) into {p.out / name}", file=sys.stderr)
+    todo = [(name, recipe, out, extra) for name, recipe in p.recipes.items() for out, extra in p.runs(name)]
+    for i, (name, recipe, out, extra) in enumerate(todo, 1):
+        what = f"{name}, {extra[0]}" if extra else name
+        print(f"posttrain compare: running {what} ({i}/{len(todo)}) into {out}", file=sys.stderr)
         try:
-            run_one(name, recipe, p, f"[{name}]")
+            run_one(name, recipe, p, f"[{what}]", out, tuple(extra))
         except RunFailed as err:
             if err.code == 2:
                 raise UserError(f"{name}: the run refused its input: {err.last_line}") from None
-            print(f"posttrain: error: {name}: the run failed (exit status {err.code}): {err.last_line}",
+            print(f"posttrain: error: {what}: the run failed (exit status {err.code}): {err.last_line}",
                   file=sys.stderr)
             return 1
-    runs = {name: load_run(p.out / name) for name in p.recipes}
-    report(runs, p)
+    seeds = {name: [load_run(out) for out, _ in p.runs(name)] for name in p.recipes}
+    runs = {name: over_seeds(each) for name, each in seeds.items()}
+    report(runs, p, seeds if p.seed_list else None)
     print(f"report: {p.out / 'compare.md'}, compare.json, compare.png")
     return 0

@@ -67,10 +67,17 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
 
 
 def summary_line(report: dict) -> str:
-    """`greedy 0.362  pass@8 0.700  maj@8 0.450  (500 problems; 8 samples each at temperature 1)`."""
+    """`greedy 0.362  pass@8 0.700  maj@8 0.450  (500 problems; 8 samples each at temperature 1)`, then with more
+    than one K the curve: a line of K, of pass@K and of maj@K."""
     k = report.get("k")
     parts = [f"greedy {report['greedy']:.3f}"]
     if k:
         parts += [f"pass@{k} {report[f'pass@{k}']:.3f}", f"maj@{k} {report[f'maj@{k}']:.3f}"]
     tail = f"; {report['n']} samples each at temperature {report['temperature']:g}" if k else ", greedy"
-    return "  ".join(parts) + f"  ({report['num_problems']} problems{tail})"
+    line = "  ".join(parts) + f"  ({report['num_problems']} problems{tail})"
+    curve = report.get("curve") or {"K": []}
+    if len(curve["K"]) < 2:
+        return line
+    rows = [("K", [f"{K:>6d}" for K in curve["K"]]), ("pass@K", [f"{v:6.3f}" for v in curve["pass"]]),
+            ("maj@K", [f"{v:6.3f}" for v in curve["maj"]])]
+    return "\n".join([line, *(f"{name:<7}" + " ".join(cells) for name, cells in rows)])

@@ -30,6 +30,17 @@ def majority(answers: list[str | None]) -> str | None:
     return next(a for a in answers if a is not None and votes[a] == top)
 
 
+def majority_right(finals: list[str | None], right: list[bool], K: int) -> float:
+    """maj@K from n samples: the share of the ⌊n/K⌋ disjoint runs of K samples (in order) whose vote is right; a
+    vote is right when the first sample that gave the voted answer is."""
+    runs = [range(s, s + K) for s in range(0, len(finals) - K + 1, K)]
+    wins = 0
+    for run in runs:
+        voted = majority([finals[i] for i in run])
+        wins += voted is not None and right[next(i for i in run if finals[i] == voted)]
+    return wins / len(runs)
+
+
 @torch.no_grad()
 def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, *, max_new_tokens: int,
              batch_size: int, backend=None, k: int = 0, n: int | None = None, temperature: float = 1.0,
@@ -38,7 +49,10 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
     maj@k from `n` (default k) samples per problem at `temperature` and `top_p`.
 
     pass@k is the unbiased estimate from the n samples; maj@k votes over the final answers of the first k (a problem
-    counts as solved when the most frequent answer is right).
+    counts as solved when the most frequent answer is right). The same samples also give the curve over K = 1, 2, 4,
+    … ≤ n (DeepSeekMath's Figure 7): pass@K, the unbiased estimate, and maj@K, the mean over the ⌊n/K⌋ disjoint runs
+    of K samples of whether their vote is right (every sample counts once, so the estimate is steadier than one
+    vote of the first K).
 
     Args:
         records: also return one record per problem of this process ("records").
@@ -46,7 +60,7 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
 
     Returns:
         {"accuracy", "num_problems", "mean_response_tokens", "examples": first three (prompt, completion, answer)},
-        with k: "pass@k", "maj@k" (k written out), "k" and "n".
+        with k: "pass@k", "maj@k" (k written out), "k", "n" and "curve": {"K": [...], "pass": [...], "maj": [...]}.
     """
     rank, world = (backend.rank, backend.world_size) if backend else (0, 1)
     n = (n or k) if k else 0
@@ -54,6 +68,8 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
     # Sharded weights: every process makes as many calls as the largest shard needs, an empty one on a dummy row.
     calls = -(-len(rows[::world]) // batch_size) if rollout.collective else -(-len(shard) // batch_size)
     sums = torch.zeros(5, dtype=torch.float64)  # greedy correct, greedy tokens, problems, pass@k, maj@k
+    Ks = [2**i for i in range(n.bit_length())] if n else []  # 1, 2, 4, … ≤ n
+    curve = torch.zeros(2, len(Ks), dtype=torch.float64)  # Σ pass@K, Σ maj@K over problems
     examples, out = [], []
     for start in range(0, calls * batch_size, batch_size):
         chunk = shard[start : start + batch_size]
@@ -80,6 +96,9 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
                 voted = majority(finals)  # right when the samples that gave it are (the first one is judged)
                 voted_right = voted is not None and right[finals.index(voted)]
                 sums[3:] += torch.tensor([pass_at_k(n, sum(right), k), float(voted_right)], dtype=torch.float64)
+                curve += torch.tensor([[pass_at_k(n, sum(right), K) for K in Ks],
+                                       [majority_right(judge.final_answers(mine), right, K) for K in Ks]],
+                                      dtype=torch.float64)
                 record.update(samples=[{"completion": t, "correct": c} for t, c in zip(mine, right)],
                               correct_samples=sum(right), majority_answer=voted, majority_correct=voted_right)
             if records:
@@ -88,11 +107,14 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
             progress(min(start + batch_size, len(shard)))
     if backend is not None and world > 1:
         sums = backend.reduce(sums.float().to(backend.device), "sum").cpu().double()
+        curve = backend.reduce(curve.float().to(backend.device), "sum").cpu().double()
     correct, tokens, total, passed, voted = sums.tolist()
     result = {"accuracy": correct / max(total, 1), "num_problems": int(total),
               "mean_response_tokens": tokens / max(total, 1), "examples": examples}
     if n:
         result.update({f"pass@{k}": passed / max(total, 1), f"maj@{k}": voted / max(total, 1), "k": k, "n": n})
+        per = (curve / max(total, 1)).tolist()
+        result["curve"] = {"K": Ks, "pass": per[0], "maj": per[1]}
     if records:
         result["records"] = out
     return result
