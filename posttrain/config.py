@@ -177,9 +177,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rewards.overlong_buffer and plugin.source != "online":
         raise ConfigError(f"rewards.overlong_buffer: the overlong punishment shapes the rewards of samples drawn as "
                           f"the run trains; {plugin.name} trains on no such samples")
-    if cfg.rewards.normalize != "none" and plugin.source != "online":
-        raise ConfigError(f"rewards.normalize: normalises the rewards of samples drawn as the run trains; "
-                          f"{plugin.name} trains on no such samples")
+    check_normalize(cfg, plugin)
     if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
         raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
                           f"with these settings samples no groups (one completion per prompt, or none)")
@@ -198,6 +196,27 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return cfg, resolved
+
+
+def check_normalize(cfg: RunConfig, plugin) -> None:
+    """rewards.normalize makes each reward a weighted sum of z-scores: for online methods that train on the reward's
+    spread, not those that compare it with a threshold (Online RFT) or train on step rewards (GRPO+PS), and with
+    `group` only where there are groups."""
+    norm = cfg.rewards.normalize
+    if norm == "none":
+        return
+    if plugin.source != "online":
+        raise ConfigError(f"rewards.normalize: normalises the rewards of samples drawn as the run trains; "
+                          f"{plugin.name} trains on no such samples")
+    if hasattr(cfg.algorithm, "threshold"):
+        raise ConfigError(f"rewards.normalize: {plugin.name} keeps the samples whose reward reaches "
+                          f"algorithm.threshold, and a z-score has no such scale; use rewards.normalize=none")
+    if "step_reward" in plugin.needs(cfg.algorithm):
+        raise ConfigError(f"rewards.normalize: {plugin.name} trains on step rewards (rewards.process), which it "
+                          "normalises itself; the outcome reward it would change is only logged")
+    if norm == "group" and plugin.samples_per_prompt(cfg.algorithm) < 2:
+        raise ConfigError(f"rewards.normalize: group z-scores over a prompt's samples, and {plugin.name} with these "
+                          "settings draws one per prompt (every reward would be 0); use rewards.normalize=batch")
 
 
 def check_adaptive_sampling(cfg: RunConfig, plugin) -> None:
@@ -220,6 +239,10 @@ def check_adaptive_sampling(cfg: RunConfig, plugin) -> None:
     if r.adaptive_temperature and plugin.source != "online":
         raise ConfigError(f"rollout.adaptive_temperature: sets the temperature of samples drawn as the run trains; "
                           f"{plugin.name} trains on no such samples")
+    if r.adaptive_temperature and not r.min_temperature <= r.temperature <= r.max_temperature:
+        raise ConfigError(f"rollout.temperature: {r.temperature} is the adaptive temperature's start and must lie in "
+                          f"[rollout.min_temperature, rollout.max_temperature] = [{r.min_temperature}, "
+                          f"{r.max_temperature}]")
     if not r.adaptive_group_size:
         return
     n = plugin.samples_per_prompt(cfg.algorithm) if plugin.source == "online" else 0

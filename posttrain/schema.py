@@ -456,7 +456,8 @@ class RewardsConfig:
     line checked (rewards/steps.py); model, a process reward model at reward_model.process_path."""
     normalize: str = "none"
     """Each objective (rule, custom function, reward model) z-scored before the weighted sum (GDPO): none, the plain
-    weighted sum; group, over the samples of each prompt; batch, over the whole batch. Online methods."""
+    weighted sum; group, over the samples of each prompt; batch, over each process's samples of the step (each
+    dynamic-sampling round apart). Online methods that train on the reward's spread (not Online RFT's threshold)."""
 
     def __post_init__(self):
         if self.process not in PROCESS_REWARDS:

@@ -138,6 +138,8 @@ def test_adaptive_sampling_runs_and_resumes_exactly(warm_model_dir, tmp_path):
       "rollout.dynamic_sampling=true"], "not with rollout.dynamic_sampling"),
     (["recipe=grpo_math", "rollout.min_group_size=9"], "rollout.min_group_size:"),
     (["recipe=grpo_math", "rollout.min_temperature=3"], "rollout.min_temperature:"),
+    (["recipe=grpo_math", "rollout.adaptive_temperature=true", "rollout.temperature=0.3"],
+     "rollout.temperature: 0.3 is the adaptive temperature's start"),
     (["recipe=grpo_math", "rollout.elite_pool=8", "rewards={accuracy: 1.0, normalize: group}"],
      "rollout.elite_pool: compares rewards across steps"),
     (["recipe=dpo_math", "data.curriculum=field", "data.difficulty_field=level"], "data.curriculum:"),

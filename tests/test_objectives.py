@@ -171,6 +171,17 @@ def test_offline_methods_refuse_it(recipe):
     assert config.load(recipe, ["rewards.normalize=none"])[0].rewards.normalize == "none"
 
 
+@pytest.mark.parametrize("recipe, extra, message", [
+    ("online_rft_math", [], "keeps the samples whose reward reaches algorithm.threshold"),
+    ("grpo_ps_math", [], "trains on step rewards"),
+    ("ppo_math", ["algorithm.samples_per_prompt=1"], "draws one per prompt (every reward would be 0); use rewards.normalize=batch"),
+])
+def test_methods_it_would_mislead_refuse_it(recipe, extra, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config.load(recipe, ["rewards.normalize=group", *extra])
+    assert config.load("ppo_math", ["rewards.normalize=batch"])[0].rewards.normalize == "batch"
+
+
 def test_recipe_round_trip_keeps_the_key(tmp_path):
     """In a recipe, on the command line, and back through the resolved config.yaml: `normalize` is a reserved key,
     not a reward."""

@@ -75,3 +75,9 @@ def test_both_figures_end_to_end_at_a_tiny_size(tiny_model_dir, tmp_path):
     assert report["K"] == [1, 2, 4] and len(report["seeds"]) == 2
     assert report["seeds"][0]["before"]["pass"][0] == pytest.approx(report["seeds"][0]["before"]["maj"][0])
     assert "| 4 |" in (tmp_path / "f7" / "figure7.md").read_text()
+
+
+def test_one_seed_has_no_spread_to_judge_by():
+    seeds = {"rft": [0.4], "online_rft": [0.5], "grpo": [0.6], "grpo_ps": [0.7]}
+    rows = reproduce.ordering_rows({n: v[0] for n, v in seeds.items()}, seeds)
+    assert [r["holds"] for r in rows] == [None, None, None] and [r["seeds_holding"] for r in rows] == [1, 1, 1]

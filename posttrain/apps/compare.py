@@ -396,16 +396,19 @@ def markdown(runs: dict[str, dict], plan: Plan) -> str:
 
 
 def spread_section(runs: dict[str, dict]) -> list[str]:
-    """Markdown: for every pair of recipes, whether their held-out accuracy after, and its change, differ by more
-    than the seed-to-seed spread (sd_a + sd_b; `posttrain.apps.spread`)."""
+    """Markdown: for every pair of recipes, whether their held-out accuracy after (and its change, when the recipes
+    start from different accuracies) differ by more than the seed-to-seed spread (sd_a + sd_b;
+    `posttrain.apps.spread`)."""
     lines = ["## Differences beyond the seed-to-seed spread", "",
              "A difference counts when |mean_b − mean_a| > sd_a + sd_b (the ± bars do not overlap): a rough screen "
              "with few seeds, not a significance test.", "",
              "| figure | a | b | mean b − mean a | sd a + sd b | beyond the spread |", "|---|---|---|---:|---:|---|"]
     change = {n: r["accuracy_after"] - r["accuracy_before"] if r["accuracy_before"] is not None else None
               for n, r in runs.items()}
-    for label, figures in (("held-out accuracy after", {n: r["accuracy_after"] for n, r in runs.items()}),
-                           ("change in held-out accuracy", change)):
+    compared = [("held-out accuracy after", {n: r["accuracy_after"] for n, r in runs.items()})]
+    if len({repr(r["accuracy_before"]) for r in runs.values()}) > 1:  # else the changes differ as the afters do
+        compared.append(("change in held-out accuracy", change))
+    for label, figures in compared:
         for a, b, diff, bar, yes in verdicts(figures):
             lines.append(f"| {label} | {a} | {b} | {diff:+.3f} | {bar:.3f} | {'yes' if yes else 'no'} |")
     return lines + [""]

@@ -12,14 +12,17 @@ on those four recipes (written to output_dir/recipes), and adds figure5.png, hel
 (mean ± sd over seeds), and figure5.md, whether each of the paper's orderings held: Online RFT > RFT, GRPO > Online
 RFT, GRPO+PS > GRPO.
 
-figure7: for each seed, a GRPO run (`grpo_math`, `steps` steps), then Pass@K and Maj@K for K = 1, 2, 4, …, k on
-`problems` held-out problems, from k samples per problem at temperature 0.7, of the start (the SFT warm-up) and of the
-trained policy (`posttrain.train.evaluation`). figure7.png draws both curves before and after, as the paper's figure
-does; figure7.md says at each K how much RL lifted each, and whether Maj@K rose more than Pass@K.
+figure7: for each seed, a GRPO run (`grpo_math`, `steps` steps), then Pass@K and Maj@K for K = 1, 2, 4, … (the
+powers of two up to k) on `problems` held-out problems, from k samples per problem at temperature 0.7, of the start
+(the SFT warm-up) and of the trained policy (`posttrain.train.evaluation`). figure7.png draws both curves before and
+after, as the paper's figure does; figure7.md says at each K how much RL lifted each, and whether Maj@K rose more
+than Pass@K.
 
-An ordering *holds* when the means are in the paper's order and the difference exceeds the seed-to-seed spread
-(|Δ| > sd_a + sd_b, `posttrain.apps.spread`); the report also counts the seeds in which it holds pairwise (seed s of
-one method against seed s of the other: the same warm-up, data and sampling seed).
+An ordering of figure5 *holds* when the means are in the paper's order and the difference exceeds the seed-to-seed
+spread (Δ > sd_a + sd_b, `posttrain.apps.spread`); the report also counts the seeds in which it holds pairwise (seed s
+of one method against seed s of the other: the same warm-up, data and sampling seed). figure7's "Maj@K rose more"
+is paired too: the lift gap (Maj@K lift − Pass@K lift) of each seed, whose mean must be positive and above its sd.
+With one seed there is no spread, and the reports say n/a.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def ordering_rows(final: dict[str, Spread | float], seeds: dict[str, list[float]
     for high, low in ORDERINGS:
         a, b = final[high], final[low]
         wins = sum(x > y for x, y in zip(seeds[high], seeds[low]))
-        held = mean_of(a) > mean_of(b) and beyond(a, b)
+        held = mean_of(a) > mean_of(b) and beyond(a, b) if len(seeds[high]) > 1 else None  # None: no spread
         rows.append({"ordering": f"{LABELS[high]} > {LABELS[low]}", "higher": a, "lower": b,
                      "difference": mean_of(a) - mean_of(b), "spread": sd_of(a) + sd_of(b), "seeds_holding": wins,
                      "seeds": len(seeds[high]), "holds": held})
@@ -130,9 +133,10 @@ def figure5(own: dict, passed: list[str]) -> int:
     (out / "figure5.md").write_text(figure5_markdown(final, rows, own, passed))
     (out / "figure5.json").write_text(json.dumps({"final_accuracy": finals, "orderings": rows}, indent=2,
                                                  default=lambda x: x.as_json()) + "\n")
+    verdict = {True: "holds beyond the spread", False: "not beyond the spread", None: "one seed: no spread"}
     for row in rows:
         print(f"{row['ordering']}: {row['higher']:.3f} vs {row['lower']:.3f} "
-              f"({row['seeds_holding']}/{row['seeds']} seeds; {'holds' if row['holds'] else 'not shown'})")
+              f"({row['seeds_holding']}/{row['seeds']} seeds; {verdict[row['holds']]})")
     print(f"report: {out / 'figure5.md'}, figure5.png, compare.md")
     return 0
 
@@ -175,8 +179,9 @@ def figure5_markdown(final: dict, rows: list[dict], own: dict, passed: list[str]
     lines += [f"| {LABELS[n]} | {final[n]:.3f} |" for n in FIGURE5]
     lines += ["", "| the paper's ordering | mean difference | sd sum | seeds in which it holds | holds beyond the "
               "spread |", "|---|---:|---:|---:|---|"]
+    yes = {True: "yes", False: "no", None: "n/a (one seed)"}
     lines += [f"| {r['ordering']} | {r['difference']:+.3f} | {r['spread']:.3f} | {r['seeds_holding']}/{r['seeds']} | "
-              f"{'yes' if r['holds'] else 'no'} |" for r in rows]
+              f"{yes[r['holds']]} |" for r in rows]
     return "\n".join(lines + ["", "![held-out accuracy against step](figure5.png)", ""])
 
 
@@ -185,8 +190,9 @@ def figure7(own: dict, passed: list[str]) -> int:
     from posttrain.apps import compare, evaluate
 
     out, k = own["output_dir"], own["k"]
+    # the run's held-out rows are those evaluated here (from data.path without a test_path they are its last rows)
     plan = compare.plan(["grpo_math", f"steps={own['steps']}", "eval_every=0", f"seeds={own['seeds']}",
-                         f"output_dir={out}", "overwrite=true", *passed])
+                         f"output_dir={out}", "overwrite=true", *passed, f"eval.num_problems={own['problems']}"])
     evals = ["eval.num_problems=" + str(own["problems"]), f"eval.k={k}", f"eval.n={k}", "rollout.temperature=0.7",
              *[p for p in passed if p.startswith(("data.", "eval.batch_size", "rollout.max_new_tokens"))]]
     results = []
@@ -196,7 +202,11 @@ def figure7(own: dict, passed: list[str]) -> int:
         try:
             compare.run_one("grpo_math", "grpo_math", plan, f"[grpo_math, {seed}]", run_dir, tuple(extra))
         except compare.RunFailed as err:
-            raise UserError(f"grpo_math ({seed}): the run failed: {err.last_line}") from None
+            if err.code == 2:
+                raise UserError(f"grpo_math ({seed}): the run refused its input: {err.last_line}") from None
+            print(f"posttrain: error: grpo_math ({seed}): the run failed (exit status {err.code}): {err.last_line}",
+                  file=sys.stderr)
+            return 1
         summary = json.loads((run_dir / "summary.json").read_text())
         start = (summary.get("warmup") or {}).get("path") or _model_path(run_dir)  # the SFT warm-up, or model.path
         curves = {}
@@ -260,17 +270,18 @@ def figure7_markdown(Ks: list[int], table: dict, own: dict, passed: list[str]) -
              f"problems={own['problems']}" + "".join(f" {p}" for p in passed) + "`", "",
              f"{own['problems']} held-out problems, {own['k']} samples each at temperature 0.7, before (the SFT "
              f"warm-up) and after {own['steps']} GRPO steps; mean ± sd over {own['seeds']} seeds. The lift is after "
-             "− before, seed by seed.", "",
+             "− before, seed by seed, and so is the gap between the two lifts; the gap is beyond the spread when its "
+             "mean is positive (Maj@K rose more) and above its sd.", "",
              "| K | Maj@K before | Maj@K after | lift | Pass@K before | Pass@K after | lift | Maj@K lift − Pass@K "
              "lift | beyond the spread |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, K in enumerate(Ks):
         lift_maj = table["maj_after"][i] - table["maj_before"][i]
         lift_pass = table["pass_after"][i] - table["pass_before"][i]
         gap = lift_maj - lift_pass
-        exceeds = abs(mean_of(gap)) > sd_of(gap)
+        exceeds = ("yes" if mean_of(gap) > sd_of(gap) else "no") if own["seeds"] > 1 else "n/a (one seed)"
         lines.append(f"| {K} | {table['maj_before'][i]:.3f} | {table['maj_after'][i]:.3f} | {lift_maj:+.3f} | "
                      f"{table['pass_before'][i]:.3f} | {table['pass_after'][i]:.3f} | {lift_pass:+.3f} | {gap:+.3f} |"
-                     f" {'yes' if exceeds else 'no'} |")
+                     f" {exceeds} |")
     return "\n".join(lines + ["", "![Maj@K and Pass@K before and after GRPO](figure7.png)", ""])
 
 

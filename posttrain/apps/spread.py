@@ -14,6 +14,7 @@ docs/reproduction.md use.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -21,7 +22,8 @@ import statistics
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@functools.total_ordering
+@dataclass(frozen=True, eq=False)
 class Spread:
     values: tuple[float, ...]  # one per seed, in seed order
 
@@ -34,7 +36,10 @@ class Spread:
         return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
 
     def __format__(self, spec: str) -> str:
-        return f"{format(self.mean, spec)} ± {format(self.sd, spec.replace('+', ''))}"
+        if spec.endswith("d"):  # an integer figure (steps) that differs between seeds: its mean to one decimal
+            spec = spec[:-1] + ".1f"
+        mean = round(self.mean, 12) + 0.0  # no "-0.000" for a difference that is zero but for rounding
+        return f"{format(mean, spec)} ± {format(self.sd, spec.replace('+', ''))}"
 
     def __float__(self) -> float:
         return self.mean
@@ -59,11 +64,22 @@ class Spread:
     def __truediv__(self, other):
         return self._op(other, operator.truediv)
 
-    def __lt__(self, other):
+    def __mul__(self, other):
+        return self._op(other, operator.mul)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> Spread:
+        return Spread(tuple(-v for v in self.values))
+
+    def __eq__(self, other) -> bool:  # comparisons are of the means: a figure against a bound
+        return self.mean == float(other) if isinstance(other, (Spread, int, float)) else NotImplemented
+
+    def __lt__(self, other) -> bool:
         return self.mean < float(other)
 
-    def __ge__(self, other):
-        return self.mean >= float(other)
+    def __hash__(self) -> int:
+        return hash(self.values)
 
     def as_json(self) -> dict:
         return {"mean": self.mean, "sd": self.sd, "values": list(self.values)}

@@ -37,7 +37,7 @@ them), and replayed rows are left out of the train-inference mismatch (`mismatch
 Metrics:
     elite/replayed: rows replaced by an elite this step (`metrics`).
     elite/pool_size: prompts in the pool after the step's update.
-    elite/is_weight: mean w_t over replayed tokens (0 if none; logged by the engine).
+    elite/is_weight: mean w_t over the step's replayed tokens on every process (0 if none; logged by the engine).
 """
 
 from __future__ import annotations

@@ -144,6 +144,7 @@ class Engine:
         self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
         self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's)
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
+        self.elite_sums = torch.zeros(2, device=backend.device)  # this step's Σ elite weight, replayed tokens
         rm = getattr(self.judge.reward_model, "model", None)
         for role, model in (("policy_weights", sampler), ("reference_weights", ref),
                             ("critic_weights", self.critic and self.critic.module), ("reward_model_weights", rm)):
@@ -254,7 +255,7 @@ class Engine:
             elite = tis_weight(at_sampling, mb.rollout_logp, self.cfg.rollout.elite_is_cap)  # [b, R]
             weight = torch.where(replayed[:, None] > 0, elite, weight)  # [b, R]
             on = mb.mask * replayed[:, None]  # [b, R] replayed tokens
-            m = {**m, "elite/is_weight": (elite * on).sum() / on.sum().clamp(min=1)}
+            self.elite_sums += torch.stack([(elite * on).sum(), on.sum()]).detach()  # the step's, for elite/is_weight
         return gc * weight, m
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
@@ -327,6 +328,7 @@ class Engine:
             if self.critic is not None:
                 batch.extra["values"] = self.values(batch)
         self.mismatch = torch.zeros(3, device=self.backend.device)
+        self.elite_sums = torch.zeros(2, device=self.backend.device)  # Σ weight, Σ tokens over replayed tokens
         if batch.rollout_logp is not None and batch.old_logp is not None:
             self.observe_mismatch(batch.old_logp, batch.rollout_logp, fresh_mask(batch))
         batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
@@ -350,6 +352,9 @@ class Engine:
         metrics = {**prep, **mean_metrics(updates)}
         reduced = {k: float(self.backend.reduce(torch.as_tensor(v, device=self.backend.device).float(), "mean"))
                    for k, v in sorted(metrics.items())}
+        if self.cfg.rollout.elite_pool:  # the mean over every replayed token of the step, on every process
+            weights, tokens = self.backend.reduce(self.elite_sums, "sum").tolist()
+            reduced["elite/is_weight"] = weights / max(tokens, 1.0)
         if batch.rollout_logp is not None:
             kl, tokens = self.backend.reduce(self.mismatch[:2], "sum").tolist()
             reduced["mismatch/kl"] = kl / max(tokens, 1.0)
@@ -363,8 +368,8 @@ class Engine:
     def adapt_temperature(self, batch: Batch) -> dict[str, float]:
         """Sets the next step's sampling temperature from this batch's entropy (`adapted_temperature`), the same on
         every process; returns this step's temperature and entropy for the metrics."""
-        r = self.cfg.rollout
-        sums = torch.stack([-(batch.rollout_logp * batch.mask).sum(), batch.mask.sum()]).float()
+        r, fresh = self.cfg.rollout, fresh_mask(batch)  # an elite's log-probs are an older policy's
+        sums = torch.stack([-(batch.rollout_logp * fresh).sum(), fresh.sum()]).float()
         nats, tokens = self.backend.reduce(sums.to(self.backend.device), "sum").tolist()
         entropy = nats / max(tokens, 1.0)  # per sampled token, over every process
         source = self.source

@@ -96,9 +96,9 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
                 voted = majority(finals)  # right when the samples that gave it are (the first one is judged)
                 voted_right = voted is not None and right[finals.index(voted)]
                 sums[3:] += torch.tensor([pass_at_k(n, sum(right), k), float(voted_right)], dtype=torch.float64)
+                every = judge.final_answers(mine)
                 curve += torch.tensor([[pass_at_k(n, sum(right), K) for K in Ks],
-                                       [majority_right(judge.final_answers(mine), right, K) for K in Ks]],
-                                      dtype=torch.float64)
+                                       [majority_right(every, right, K) for K in Ks]], dtype=torch.float64)
                 record.update(samples=[{"completion": t, "correct": c} for t, c in zip(mine, right)],
                               correct_samples=sum(right), majority_answer=voted, majority_correct=voted_right)
             if records:
