@@ -63,6 +63,22 @@ class Batch:
         """[B] real tokens per row, prompt and response."""
         return self.attention_mask.sum(-1)
 
+    def widened(self, P: int, R: int, pad_id: int) -> Batch:
+        """The same rows with prompts left-padded to P columns and responses right-padded to R (P, R ≥ the batch's):
+        `pad_id` in the ids, zeros in the attention mask and in every per-token ([B, r, ...]) tensor."""
+        p, r = self.prompt_len, self.input_ids.shape[1] - self.prompt_len
+        if (P, R) == (p, r):
+            return self
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            if t is self.input_ids or t is self.attention_mask:
+                return torch.nn.functional.pad(t, (P - p, R - r), value=pad_id if t is self.input_ids else 0)
+            if t.dim() >= 2 and t.shape[1] == r:  # per token
+                return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, R - r), value=0)
+            return t
+
+        return dataclasses.replace(self._map(pad), prompt_len=P)
+
     def trimmed(self) -> Batch:
         """The same rows without the columns that are padding in every row: the left of the prompt region and the
         right of the response region. P and R shrink; per-token tensors keep their first R' columns."""
@@ -97,21 +113,7 @@ def concat(batches: list[Batch], pad_id: int) -> Batch:
     tensors ([b, R] ones: mask, log-probs) right-padded to the longest R, with `pad_id` and zeros."""
     P = max(b.prompt_len for b in batches)
     R = max(b.input_ids.shape[1] - b.prompt_len for b in batches)
-
-    def widened(b: Batch) -> Batch:
-        p, r = b.prompt_len, b.input_ids.shape[1] - b.prompt_len
-
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            if t is b.input_ids or t is b.attention_mask:
-                fill = pad_id if t is b.input_ids else 0
-                return torch.nn.functional.pad(t, (P - p, R - r), value=fill)
-            if t.dim() >= 2 and t.shape[1] == r:  # per token
-                return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, R - r), value=0)
-            return t
-
-        return dataclasses.replace(b._map(pad), prompt_len=P)
-
-    wide = [widened(b) for b in batches]
+    wide = [b.widened(P, R, pad_id) for b in batches]
     first = wide[0]
     changes = {}
     for f in dataclasses.fields(first):

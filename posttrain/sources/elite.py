@@ -107,7 +107,7 @@ class ElitePool:
                 lowest = (reward == reward.min()).nonzero().flatten()  # [k]
                 chosen.append((int(rows[lowest[-1]]), key, elite))
         B, P, R = len(batch), batch.prompt_len, batch.input_ids.shape[1] - batch.prompt_len
-        batch = widened(batch, max([R] + [len(e.response) for _, _, e in chosen]), self.pad_id)
+        batch = batch.widened(P, max([R] + [len(e.response) for _, _, e in chosen]), self.pad_id)
         batch = batch._map(torch.clone)  # the caller's batch stays as it was
         R = batch.input_ids.shape[1] - P
         replayed = batch.extra.get(REPLAYED, torch.zeros(B, device=batch.mask.device))  # [B]
@@ -153,20 +153,3 @@ def groups(batch: Batch) -> list[torch.Tensor]:
         keep = batch.extra[REPLAYED].cpu() == 0
     out = [((group == g) & keep).nonzero().flatten() for g in group.unique().tolist()]
     return [rows for rows in out if len(rows)]
-
-
-def widened(batch: Batch, R: int, pad_id: int) -> Batch:
-    """The batch with its response region right-padded to R columns: `pad_id` in the ids, zeros in the attention
-    mask and every per-token ([B, r, ...]) tensor, as `concat` pads."""
-    P, r = batch.prompt_len, batch.input_ids.shape[1] - batch.prompt_len
-    if R == r:
-        return batch
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        if t is batch.input_ids or t is batch.attention_mask:
-            return torch.nn.functional.pad(t, (0, R - r), value=pad_id if t is batch.input_ids else 0)
-        if t.dim() >= 2 and t.shape[1] == r:  # per token
-            return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, R - r), value=0)
-        return t
-
-    return dataclasses.replace(batch._map(pad), prompt_len=P)
