@@ -37,6 +37,15 @@ def test_recipes_and_help():
         assert posttrain(*args).returncode == 0
 
 
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`posttrain config recipe=grpo_math | head -3`: the pipe closes under a long print."""
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", "config", "recipe=grpo_math"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, bufsize=1)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait() == 141 and "Traceback" not in err and err == "", err
+
+
 LIGHT = """
 import sys
 from posttrain.apps import cli

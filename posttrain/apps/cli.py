@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("posttrain: interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # the reader went away (`posttrain recipes | head -3`): stop without a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor one at exit, flushing stdout
+        code = 141  # 128 + SIGPIPE, as a shell reports a pipe writer that stopped
     if "posttrain.backends" in sys.modules:  # one of several processes: leave without the interpreter's teardown
         from posttrain.backends.ddp import exit_process
 
