@@ -39,6 +39,7 @@ from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part o
 
 if TYPE_CHECKING:
     from posttrain import algorithms
+    from posttrain.core.precision import Choice
 
 
 def recipes_dir() -> Path:
@@ -310,6 +311,23 @@ def rewards_tree(cfg: RewardsConfig) -> dict:
     return {**cfg.weights, "custom": dict(cfg.custom), "timeout_s": cfg.timeout_s,
             "overlong_buffer": cfg.overlong_buffer, "overlong_penalty": cfg.overlong_penalty, "process": cfg.process,
             "normalize": cfg.normalize}
+
+
+def run_device():
+    """The device a run trains on: the GPU when there is one (each process's own), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def settle_precision(cfg: RunConfig) -> tuple[RunConfig, Choice]:
+    """`cfg` with `train.precision` as it runs on this device (`auto` resolved, posttrain.core.precision), and the
+    choice with its reason. The validated config itself is left as it is: config.yaml keeps what was asked for."""
+    from posttrain import backends
+    from posttrain.core import precision
+
+    choice = precision.resolve(cfg.train.precision, run_device(), backends.get(cfg.train.backend).precisions)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=choice.precision)), choice
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:

@@ -131,12 +131,13 @@ class Judge:
 
 
 def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokenizer=None,
-          with_process_model: bool = False) -> Judge:
+          with_process_model: bool = False, precision: str = "fp32") -> Judge:
     """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, the
     process reward model (`reward_model.process_path`, with rewards.process=model) only when it trains on step
-    rewards, each placed by `place` (the backend's, which shards it where weights are sharded) when given."""
+    rewards, each placed by `place` (the backend's, which shards it where weights are sharded) when given, in the
+    dtype of models only scored under `precision` (the one that runs)."""
     model = process_model = None
-    dtype = weights_dtype(cfg.train.precision, trained=False)
+    dtype = weights_dtype(precision, trained=False)
     if with_reward_model and cfg.reward_model.path:
         from posttrain.rewards.model import RewardModel
 

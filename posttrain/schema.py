@@ -54,7 +54,7 @@ class ModelConfig:
     """LoRA adapters instead of full fine-tuning (`model.lora.r` > 0)."""
 
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
 
 def check_precision(value: str) -> None:
@@ -74,8 +74,9 @@ class WarmupConfig:
     """Width of the embedded tiny model."""
     layers: int = 4
     """Transformer blocks of the embedded tiny model."""
-    precision: str = "bf16-mixed"
-    """train.precision of the warm-up run (bf16-mixed: about twice as fast on CPU as fp32, fp32 weights saved)."""
+    precision: str = "auto"
+    """train.precision of the warm-up run (auto: bf16-mixed where the hardware computes bf16, else fp32 or, on a GPU
+    without bf16, fp16-mixed); fp32 weights are saved either way."""
 
     def __post_init__(self):
         check_precision(self.precision)
@@ -326,9 +327,16 @@ class TrainConfig:
     offload: str = "none"
     """What lives in CPU memory between uses: none; optimizer (AdamW state, stepped on CPU: zero2, zero3); params
     (weights, gradients and AdamW state: fsdp2, zero3). Each backend says which it supports."""
-    precision: str = "fp32"
-    """fp32; bf16-mixed: bf16 compute (autocast), fp32 weights, gradients and AdamW state; bf16: all of them in bf16.
-    Log-softmax is float32 in every mode; models only scored (reference, reward model) are held in bf16 unless fp32."""
+    precision: str = "auto"
+    """auto: bf16-mixed where the device computes bf16 natively (CUDA with bf16; a CPU with AVX512-BF16 or AMX),
+    fp16-mixed on a GPU without bf16, fp32 elsewhere (posttrain/core/precision.py; the run prints its choice);
+    fp32; bf16-mixed: bf16 compute (autocast), fp32 weights, gradients and AdamW state; fp16-mixed: the same in fp16,
+    with a dynamic loss scale; bf16: weights, gradients and AdamW state all in bf16. Log-softmax is float32 in every
+    mode; models only scored (reference, reward model) are held in the compute dtype unless fp32."""
+    threads: int = 0
+    """Compute threads of each process; 0 fits them to the machine: the cores the process may use (CPU affinity, a
+    cgroup quota; shared among the processes of one machine), one fewer for each core another process keeps busy,
+    checked after every step (posttrain/core/threads.py). OMP_NUM_THREADS, when set, pins them as N does."""
 
     def __post_init__(self):
         check_precision(self.precision)
@@ -342,7 +350,7 @@ class TrainConfig:
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0 (got {self.lr})")
         for key in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every", "keep_checkpoints",
-                    "max_skipped_steps"):
+                    "max_skipped_steps", "threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be ≥ 0 (got {getattr(self, key)})")
         if self.lr_schedule not in SCHEDULES:
@@ -363,11 +371,14 @@ class TrainConfig:
 
 
 def weights_dtype(precision: str, trained: bool) -> str:
-    """The dtype a model's weights are loaded in under `train.precision`: trained models keep fp32 master weights
-    unless the precision is pure bf16; models that are only scored are held in bf16 unless it is fp32."""
-    if precision == "fp32" or (trained and precision == "bf16-mixed"):
+    """The dtype a model's weights are loaded in under `train.precision` (as resolved: not auto): trained models keep
+    fp32 master weights unless the precision is pure bf16; models that are only scored are held in the compute dtype
+    (bf16, or fp16 under fp16-mixed) unless it is fp32."""
+    if precision == "auto":
+        raise ValueError("train.precision=auto is resolved for the device before weights are loaded")
+    if precision == "fp32" or (trained and precision.endswith("-mixed")):
         return "float32"
-    return "bfloat16"
+    return "float16" if precision == "fp16-mixed" else "bfloat16"
 
 
 STOP_ON = ("none", "accuracy", "kl")  # eval.stop_on: what early stopping watches

@@ -66,9 +66,11 @@ def test_missing_recipe_file():
 
 
 def test_precision_values_and_the_moved_dtype_key():
-    """train.precision takes fp32, bf16-mixed or bf16; the old model.dtype names the key that replaced it."""
+    """train.precision takes auto (every recipe's default), fp32, bf16-mixed, fp16-mixed or bf16; the old model.dtype
+    names the key that replaced it."""
+    assert config.load("grpo_math")[0].train.precision == "auto"
     assert config.load("grpo_math", ["train.precision=bf16-mixed"])[0].train.precision == "bf16-mixed"
-    with pytest.raises(ConfigError, match=r"^train.precision: must be one of fp32, bf16-mixed, bf16"):
+    with pytest.raises(ConfigError, match=r"^train.precision: must be one of auto, fp32, bf16-mixed, fp16-mixed, bf16"):
         config.load("grpo_math", ["train.precision=fp16"])
     with pytest.raises(ConfigError, match=r"^model.dtype: replaced by train.precision"):
         config.load("grpo_math", ["model.dtype=bfloat16"])

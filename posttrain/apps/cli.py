@@ -7,6 +7,7 @@
     posttrain estimate model=DIR_OR_PRESET gpus=N ...     per-GPU memory of SFT, DPO, PPO and GRPO
     posttrain compare RECIPE RECIPE ... [key=value ...]   run recipes on one budget and report them side by side
     posttrain reproduce figure5|figure7 [seeds=3 ...]     DeepSeekMath's Figures 5 and 7 at toy scale, with seeds
+    posttrain env [--json]                                versions, device, CPU class, threads, what auto picks
 
 Exit status: 0 done, 2 bad input (one line naming the culprit), 1 internal error.
 """
@@ -119,6 +120,12 @@ def cmd_reproduce(args) -> int:
     return reproduce.main(args.figure, args.items)
 
 
+def cmd_env(args) -> int:
+    from posttrain.apps import env
+
+    return env.main(as_json=args.json)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
                                 "over one shared engine: SFT, RFT, Online RFT, DPO, PPO, GRPO.", epilog=EPILOG)
@@ -173,6 +180,14 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("figure", metavar="figure5|figure7")
     rep.add_argument("items", nargs="*", metavar="key=value")
     rep.set_defaults(func=cmd_reproduce)
+    env = sub.add_parser("env", help="what a bug report needs: versions, device, CPU class, threads, precision",
+                         description="Print what a bug report needs: the versions of posttrain, Python, torch, "
+                         "transformers, accelerate, peft, datasets and the optional libraries installed; the device; "
+                         "the CPU's class and whether bf16 is native or emulated there, with fp32 and bf16 matmul "
+                         "rates measured now (about a second); the compute threads a run uses; the precision "
+                         "train.precision=auto picks; the cache directory.")
+    env.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    env.set_defaults(func=cmd_env)
     return p
 
 

@@ -232,10 +232,11 @@ def estimated_roles(resolved: dict, summary: dict) -> dict[str, int] | None:
     from posttrain.apps.estimate import model_spec, state_bytes
 
     model = resolved["model"]["path"] or (summary.get("warmup") or {}).get("path")
-    precision = resolved["train"].get("precision", "fp32")
+    precision = summary.get("precision") or resolved["train"].get("precision", "fp32")  # what ran: auto resolved
     if precision == "bf16" or not model:
         return None
-    frozen = "fp32" if precision == "fp32" else "bf16"  # bf16-mixed holds the models it only scores in bf16
+    # bf16-mixed holds the models it only scores in bf16, fp16-mixed in fp16: two bytes a weight either way
+    frozen = "fp32" if precision == "fp32" else "bf16"
     try:
         policy = state_bytes(model_spec(str(model)), dtype="fp32", master_weights=False)
         critic = state_bytes(model_spec(str(resolved["algorithm"].get("critic_path") or model)), dtype="fp32",

@@ -40,6 +40,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
 
     set_seed(cfg.seed)
     rows = run_splits(cfg)[1][: e.num_problems]
+    cfg, _ = config.settle_precision(cfg)  # `auto` resolved for this device
     backend = DDP(precision=cfg.train.precision)
     policy, tokenizer = load(model, dtype=weights_dtype(cfg.train.precision, trained=True))
     uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails before any work

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 from posttrain.algorithms.sft import SFTConfig
+from posttrain.config import run_device
+from posttrain.core import precision
 from posttrain.models.embedded import build_model_dir
 from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.train import run
@@ -40,7 +42,10 @@ def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
 def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     """The warmed-up model directory for `cfg`, trained now if it is not cached. Returns (path, info)."""
     w, d = cfg.warmup, cfg.data
-    key_fields = {"version": VERSION, "warmup": {k: v for k, v in dataclasses.asdict(w).items() if k != "cache_dir"},
+    warm = {k: v for k, v in dataclasses.asdict(w).items() if k != "cache_dir"}
+    # keyed by the precision that runs: `auto` warms up in bf16 on one machine and in fp32 on another
+    warm["precision"] = precision.resolve(w.precision, run_device()).precision
+    key_fields = {"version": VERSION, "warmup": warm,
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_root(cfg) / f"warmup-{key}"

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from posttrain.backends.loss_scale import LossScale
 from posttrain.core.memory import optimizer_bytes, tensor_bytes
+from posttrain.core.precision import MIXED
 from posttrain.core.registry import Registry
 from posttrain.models import lora
 
@@ -24,13 +26,16 @@ class Trained:
     module: torch.nn.Module
     optimizer: Any
     scheduler: Any = None
+    scale: LossScale | None = None
+    """The dynamic loss scale under fp16-mixed (backends/loss_scale.py); None otherwise."""
 
 
 class Backend:
     """The interface; `ddp` (posttrain.backends.ddp) is the reference implementation.
 
     Args:
-        precision: `train.precision`: fp32, bf16-mixed (bf16 compute, fp32 weights and optimizer state) or bf16.
+        precision: `train.precision` as resolved for the device (posttrain.core.precision): fp32, bf16-mixed (bf16
+            compute, fp32 weights and optimizer state), fp16-mixed (the same in fp16, with a loss scale) or bf16.
         offload: `train.offload`: none, optimizer or params (what stays in CPU memory between uses).
     """
 
@@ -45,6 +50,9 @@ class Backend:
     offloads: tuple[str, ...] = ("none",)
     """The `train.offload` values this backend supports."""
 
+    precisions: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+    """The `train.precision` values this backend runs (`auto` picks among them)."""
+
     def __init__(self, precision: str = "fp32", offload: str = "none"):
         self.precision, self.offload = precision, offload
 
@@ -56,12 +64,41 @@ class Backend:
 
             raise ConfigError(f"train.offload: {cls.name} supports {' or '.join(cls.offloads)}, not {train.offload!r}")
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the forward's matmuls, and of models only scored."""
+        return {"fp32": torch.float32, "fp16-mixed": torch.float16}.get(self.precision, torch.bfloat16)
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Context for forward passes: bf16 compute under bf16-mixed; nothing to do otherwise (the weights' dtype
-        decides). Backward runs outside it."""
-        if self.precision == "bf16-mixed":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        """Context for forward passes: bf16 or fp16 compute under bf16-mixed or fp16-mixed; nothing to do otherwise
+        (the weights' dtype decides). Backward runs outside it."""
+        if self.precision in MIXED:
+            return torch.autocast(self.device.type, dtype=MIXED[self.precision])
         return contextlib.nullcontext()
+
+    def loss_scale(self) -> LossScale | None:
+        """A new loss scale for a model to train, under fp16-mixed; None otherwise."""
+        return LossScale() if self.precision == "fp16-mixed" else None
+
+    def scaled(self, loss: torch.Tensor, trained: Trained) -> torch.Tensor:
+        """`loss` times the loss scale of `trained` (itself when there is none), for backward."""
+        return trained.scale.scaled(loss) if trained.scale is not None else loss
+
+    def clip_and_step(self, trained: Trained, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The optimizer step every backend but DeepSpeed's takes: gradients unscaled (fp16-mixed), `clip()` returns
+        the global norm before clipping; a finite one steps the optimizer and schedule; the gradients are cleared."""
+        if trained.scale is not None:
+            trained.scale.unscale_(trained.module.parameters())
+        norm = clip()
+        finite = bool(torch.isfinite(norm))
+        if finite:
+            trained.optimizer.step()
+            if trained.scheduler is not None:
+                trained.scheduler.step()
+        if trained.scale is not None:
+            trained.scale.update(finite)
+        trained.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def place(self, model: torch.nn.Module) -> torch.nn.Module:
         """Chooses how the model computes attention here. On CPU in bf16 it is eager attention: torch's fused CPU
@@ -164,7 +201,8 @@ class Backend:
             path.mkdir(parents=True, exist_ok=True)
             params = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
             torch.save({"parameters": params, "optimizer": _to_cpu(trained.optimizer.state_dict()),
-                        "scheduler": scheduler_state(trained)}, path / "state.pt")
+                        "scheduler": scheduler_state(trained), "loss_scale": loss_scale_state(trained)},
+                       path / "state.pt")
         self.barrier()
 
     def load_state(self, trained: Trained, path: Path) -> None:
@@ -184,6 +222,7 @@ class Backend:
                 param.copy_(state["parameters"][name])
         trained.optimizer.load_state_dict(state["optimizer"])
         load_scheduler_state(trained, state["scheduler"])
+        load_loss_scale_state(trained, state.get("loss_scale"))
 
     def save(self, trained: Trained, tokenizer, path: Path, merged: bool = False) -> None:
         """Writes the model and tokenizer as one Hugging Face directory (every process calls it). An adapted model
@@ -222,15 +261,28 @@ def load_scheduler_state(trained: Trained, state: dict | None) -> None:
         trained.scheduler.load_state_dict(state)
 
 
+def loss_scale_state(trained: Trained) -> dict | None:
+    return trained.scale.state_dict() if trained.scale is not None else None
+
+
+def load_loss_scale_state(trained: Trained, state: dict | None) -> None:
+    if trained.scale is not None and state is not None:
+        trained.scale.load_state_dict(state)
+
+
 def save_schedule(backend: Backend, trained: Trained, path: Path) -> None:
-    """The schedule's state beside a sharded backend's own files (`path`/scheduler.pt), from the first process: the
-    same on every process."""
+    """The schedule's state and the loss scale beside a sharded backend's own files (`path`/scheduler.pt,
+    loss_scale.pt), from the first process: the same on every process."""
     if backend.is_main:
         torch.save(scheduler_state(trained), path / "scheduler.pt")
+        if trained.scale is not None:
+            torch.save(loss_scale_state(trained), path / "loss_scale.pt")
 
 
 def load_schedule(trained: Trained, path: Path) -> None:
     load_scheduler_state(trained, torch.load(path / "scheduler.pt", weights_only=True))
+    if trained.scale is not None:
+        load_loss_scale_state(trained, torch.load(path / "loss_scale.pt", weights_only=True))
 
 
 def one_process_group(device: torch.device) -> None:

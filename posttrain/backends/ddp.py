@@ -60,12 +60,11 @@ class DDP(Backend):
         trained = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters (and a value head) only
         optimizer, scheduler = adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule)
         if scheduler is None:
-            return Trained(*self.acc.prepare(model, optimizer))
-        return Trained(*self.acc.prepare(model, optimizer, scheduler))
+            return Trained(*self.acc.prepare(model, optimizer), scale=self.loss_scale())
+        return Trained(*self.acc.prepare(model, optimizer, scheduler), scale=self.loss_scale())
 
     def freeze(self, model):
-        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        return self.place(model.eval().requires_grad_(False).to(self.device, dtype))
+        return self.place(model.eval().requires_grad_(False).to(self.device, self.compute_dtype))
 
     @contextlib.contextmanager
     def accumulating(self, trained, sync):
@@ -76,16 +75,12 @@ class DDP(Backend):
             yield
 
     def backward(self, loss, trained):
-        self.acc.backward(loss * self.world_size)
+        self.acc.backward(self.scaled(loss * self.world_size, trained))
 
     def step(self, trained, max_grad_norm):
-        norm = self.acc.clip_grad_norm_(trained.module.parameters(), max_grad_norm or math.inf)  # the global norm
-        if torch.isfinite(norm):
-            trained.optimizer.step()
-            if trained.scheduler is not None:
-                trained.scheduler.step()
-        trained.optimizer.zero_grad(set_to_none=True)
-        return norm
+        # the global norm: DDP's gradients are already all-reduced
+        return self.clip_and_step(trained, lambda: self.acc.clip_grad_norm_(trained.module.parameters(),
+                                                                              max_grad_norm or math.inf))
 
     def reduce(self, tensor, op):
         if op in ("max", "min"):  # accelerate reduces by sum or mean only

@@ -85,27 +85,23 @@ class FSDP2(DDP):
             model = model.to(torch.bfloat16)
         model = self.shard(self.place(model))
         trained = [p for p in model.parameters() if p.requires_grad]  # this process's shards
-        return Trained(model, *adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule))
+        return Trained(model, *adamw(trained, lr=lr, weight_decay=weight_decay, schedule=schedule),
+                       scale=self.loss_scale())
 
     def freeze(self, model):
-        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        return self.shard(self.place(model.eval().requires_grad_(False).to(dtype)))
+        return self.shard(self.place(model.eval().requires_grad_(False).to(self.compute_dtype)))
 
     def accumulating(self, trained, sync):
         return contextlib.nullcontext()  # gradients are reduce-scattered every micro-batch: they stay sharded
 
     def backward(self, loss, trained):
-        (loss * self.world_size).backward()
+        self.scaled(loss * self.world_size, trained).backward()
 
     def step(self, trained, max_grad_norm):
         params = [p for p in trained.module.parameters() if p.grad is not None]
-        norm = full(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf))  # global, on every process
-        if torch.isfinite(norm):
-            trained.optimizer.step()
-            if trained.scheduler is not None:
-                trained.scheduler.step()
-        trained.optimizer.zero_grad(set_to_none=True)
-        return norm
+        # global, on every process, so every process skips alike and keeps the same loss scale
+        return self.clip_and_step(trained, lambda: full(torch.nn.utils.clip_grad_norm_(params,
+                                                                                      max_grad_norm or math.inf)))
 
     def whole(self, param):
         return full(param)

@@ -69,6 +69,7 @@ def _bytes(tensors) -> int:
 class ZeRO(DDP):
     skips_nonfinite = False  # its engine steps before the norm is known here: a non-finite one stops the run
     stage = 0
+    precisions = ("fp32", "bf16-mixed")  # fp16-mixed's loss scale is posttrain's, which DeepSpeed's engine skips
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
         super().__init__(precision, offload)
@@ -90,6 +91,9 @@ class ZeRO(DDP):
         if train.precision == "bf16":
             raise ConfigError(f"train.precision: {cls.name} keeps fp32 master weights; use bf16-mixed (DeepSpeed's "
                               "bf16: bf16 weights and gradients, fp32 master and AdamW state) or fp32")
+        if train.precision == "fp16-mixed":
+            raise ConfigError(f"train.precision: {cls.name} runs fp32 or bf16-mixed; fp16-mixed (with its loss scale) "
+                              "runs under ddp or fsdp2")
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"train.backend: {cls.name} needs DeepSpeed: pip install 'posttrain[deepspeed]'")
 
@@ -203,8 +207,7 @@ class ZeRO3(ZeRO):
         """Partitioned for inference: DeepSpeed's engine without an optimizer."""
         import deepspeed
 
-        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        model = self.place(model.eval().requires_grad_(False).to(dtype))
+        model = self.place(model.eval().requires_grad_(False).to(self.compute_dtype))
         engine, *_ = deepspeed.initialize(model=model, config=self.config(model, trained=False))
         return engine.module
 

@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -45,6 +46,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
+
+from posttrain.core.threads import usable_cores
 
 LOAD_TIMEOUT_S = 60.0  # seconds a new worker may take to start and import `fn`'s module before `map` gives up
 _in_worker = False  # set by `_serve`: this process is a worker, so `map` runs items directly (rule 7)
@@ -69,6 +72,10 @@ def _serve(conn) -> None:
     global _in_worker
     _in_worker = True
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # One compute thread: the workers run beside each other and the trainer, on cores they share (core/threads.py).
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     fn = None
     while True:
         try:
@@ -129,12 +136,12 @@ class BoundedPool:
     """Persistent worker processes that run `fn` over items, each item within `timeout_s` (see the module docstring).
 
     Args:
-        workers: how many processes; default min(4, CPU count).
+        workers: how many processes; default min(4, the cores this process may use).
         start_method: multiprocessing's start method, "forkserver" or "spawn" ("fork" is unsafe beside torch).
     """
 
     def __init__(self, workers: int | None = None, start_method: str = "forkserver") -> None:
-        self.workers = workers or min(4, os.cpu_count() or 1)
+        self.workers = workers or min(4, usable_cores())
         self._context = multiprocessing.get_context(start_method)
         self._slots: list[_Worker | None] = [None] * self.workers
         self._lock = threading.Lock()

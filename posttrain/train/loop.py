@@ -16,9 +16,11 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from posttrain import backends
-from posttrain.config import algorithm_of
+from posttrain.config import algorithm_of, run_device, settle_precision
+from posttrain.core import precision
 from posttrain.core.errors import ConfigError, TrainingError
 from posttrain.core.heap import limit_malloc_arenas
+from posttrain.core.threads import ThreadFit
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
@@ -49,12 +51,16 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
+    threads = ThreadFit(cfg.train.threads)  # before any model is built: torch's pool has the size it will use
+    requested = cfg.train.precision
+    cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
     checkpoint = checkpoints.find(cfg.resume, run_dir.path) if cfg.resume else None
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
     summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size,
-               "backend": backend.name}
+               "backend": backend.name, "precision": cfg.train.precision, "precision_requested": requested,
+               "threads": threads.threads}
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
     engine = Engine(cfg, model_path, backend, splits)
@@ -76,6 +82,10 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
         if checkpoint is not None:
             keep_metrics_until(out / "metrics.jsonl", start)
+        if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
+            print(f"posttrain: train.precision=auto runs {chose.precision}: {chose.reason}", file=sys.stderr)
+        elif warning := precision.emulation_warning(cfg.train.precision, run_device()):
+            print(f"posttrain: warning: {warning}", file=sys.stderr)
         if not quiet:
             what = f"resuming from step {start} of " if checkpoint is not None else ""
             print(f"posttrain: {what}{summary['algorithm']} run writing to {out} (moved to {run_dir.final} when "
@@ -94,6 +104,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                  config=resolved, name=run_dir.final.name) as tracker:
         for step in range(start + 1, steps + 1):
             metrics = {"step": step, **engine.step()}
+            metrics["threads"] = threads.threads  # the step's; the next one's are fitted to the load seen in it
+            threads.update()
             stopper.track(metrics)
             best = False
             if schedule.in_loop(step):

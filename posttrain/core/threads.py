@@ -1,0 +1,147 @@
+"""Compute threads that fit the machine: the cores a process may use, less those another process keeps busy.
+
+torch starts one compute thread per core it sees, and splits every operation evenly over them. When another process
+(a second job, a data loader) keeps one of those cores busy, each operation waits for the thread that shares it, at
+every op: a GRPO step of the embedded default on 2 cores took 2.0× as long with the second core busy, and 1.25×
+with one thread (bench/busy_core.py has the figures). So a run
+
+1. starts with as many threads as the cores it may use: its CPU affinity (`os.sched_getaffinity`, which taskset,
+   numactl and container cpusets set), capped by a cgroup CPU quota (`cpu.max`, or v1's `cpu.cfs_quota_us`), and
+   shared among the processes of one machine (`LOCAL_WORLD_SIZE`);
+2. after each step, measures how many of those cores other processes kept busy during it (/proc/stat's busy time
+   on the allowed cores less this process's own and its children's CPU time) and runs one thread fewer for each,
+   never fewer than one; they come back once the cores are free.
+
+`train.threads=N`, or OMP_NUM_THREADS in the environment (torchrun sets it to 1 for several processes), pins the
+count instead. Thread counts can change the last bits of some reductions, so a run that must repeat bit for bit
+under changing load pins it (on the embedded default, 1 and 2 threads give the same bytes).
+
+Worker pools (`posttrain.core.bounded`) start at most as many processes as there are usable cores, each with one
+compute thread, so posttrain's own reward checks never oversubscribe the cores either.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_quota(root: Path = CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup in cores (2.5: 250 ms of CPU per 100 ms), None when unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" or "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # cgroup v1: -1 when unlimited
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def usable_cores(quota: float | None = None) -> int:
+    """How many cores this process may keep busy: its allowed CPUs, capped by the cgroup quota (rounded up), divided
+    among the processes of this machine (LOCAL_WORLD_SIZE); at least 1."""
+    cores = len(allowed_cpus())
+    quota = cgroup_quota() if quota is None else quota
+    if quota:
+        cores = min(cores, math.ceil(quota))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cores // max(1, local))
+
+
+def pinned(requested: int = 0) -> int | None:
+    """The thread count the user pinned: `train.threads` when > 0, else OMP_NUM_THREADS when set; None: fit it."""
+    if requested > 0:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else None
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """Seconds the CPUs in `cpus` have spent busy since boot (all but idle and iowait), from /proc/stat."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks, hz = 0, os.sysconf("SC_CLK_TCK")
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            values = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
+            ticks += sum(values) - values[3] - values[4]
+    return ticks / hz
+
+
+def _own_seconds() -> float:
+    """CPU seconds used by this process and its live children (a reward pool's workers are posttrain's own)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:  # it exited in between
+            pass
+    return total
+
+
+class ThreadFit:
+    """Holds the run's compute-thread count and fits it to the cores left free after each step.
+
+    Args:
+        requested: `train.threads` (0: fit; N: pinned at N).
+    """
+
+    def __init__(self, requested: int = 0):
+        import torch
+
+        self.torch = torch
+        self.cores = usable_cores()
+        fixed = pinned(requested)
+        self.fitting = fixed is None
+        self.threads = fixed or self.cores
+        self.others = 0.0  # cores other processes kept busy over the last interval
+        if self.threads != torch.get_num_threads():
+            torch.set_num_threads(self.threads)
+        self._cpus = allowed_cpus()
+        self._mark = self._sample()
+
+    def _sample(self) -> tuple[float, float | None, float] | None:
+        if not self.fitting:
+            return None
+        return time.monotonic(), _busy_seconds(self._cpus), _own_seconds()
+
+    def update(self) -> int:
+        """Measures the load others put on this process's cores since the last call, sets the thread count to the
+        cores they left free (at least one), and returns it."""
+        if not self.fitting:
+            return self.threads
+        then, self._mark = self._mark, self._sample()
+        wall = self._mark[0] - then[0]
+        if then[1] is None or self._mark[1] is None or wall <= 0:
+            return self.threads
+        busy = (self._mark[1] - then[1]) / wall  # cores busy on average, everyone's
+        own = (self._mark[2] - then[2]) / wall
+        self.others = max(0.0, busy - own)
+        # a core counts as taken once another process kept it busy for most of the step (rounding at 0.6)
+        threads = max(1, min(self.cores, len(self._cpus) - math.floor(self.others + 0.4)))
+        if threads != self.threads:
+            self.torch.set_num_threads(threads)
+            self.threads = threads
+        return threads
