@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 STEPS = 8
-RUN = ["recipe=grpo_math", f"train.steps={STEPS}", "train.batch_size=4", "algorithm.group_size=4",
+RUN = ["recipe=grpo_math", f"train.steps={STEPS}", "train.threads=2", "train.batch_size=4", "algorithm.group_size=4",
        "train.save_every=1", "rollout.max_new_tokens=12", "eval.num_problems=8", "data.difficulty=1",
        "data.train_size=150", "data.test_size=20"]
 

@@ -45,7 +45,11 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py"],
          "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"],
          "posttrain/backends/fsdp.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
-         "posttrain/backends/zero.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"]}
+         "posttrain/backends/zero.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
+         "posttrain/backends/base.py": ["tests/test_precision.py"],
+         "posttrain/backends/loss_scale.py": ["tests/test_precision.py"],
+         "posttrain/core/precision.py": ["tests/test_precision.py"],
+         "posttrain/core/threads.py": ["tests/test_threads.py"]}
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ TRAIN = "posttrain/train/engine.py"
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
 GMLP, LORA = "posttrain/models/gated_mlp.py", "posttrain/models/lora.py"
 FSDP, ZERO = "posttrain/backends/fsdp.py", "posttrain/backends/zero.py"
+BASE, SCALE = "posttrain/backends/base.py", "posttrain/backends/loss_scale.py"
+PREC, THREADS = "posttrain/core/precision.py", "posttrain/core/threads.py"
 
 MUTANTS = [
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
@@ -185,16 +191,16 @@ MUTANTS = [
       "return beta * (ref_ratio - 1), masked_mean", "return -beta * (ref_ratio - 1), masked_mean"),
     m("grpo-kl-no-minus-1", GRPO, "k3_coefficient", "β π_ref/πθ without the − 1",
       "return beta * (ref_ratio - 1), masked_mean", "return beta * ref_ratio, masked_mean"),
-    m("grpo-beta-ge", GRPO, "GRPO.coefficient", "the KL branch also runs at β = 0", "        if cfg.beta > 0:\n",
-      "        if cfg.beta >= 0:\n"),
+    m("grpo-beta-ge", GRPO, "GRPO.coefficient", "the KL branch also runs at β = 0",
+      "        if cfg.beta > 0 and cfg.kl_in_loss:\n", "        if cfg.beta >= 0 and cfg.kl_in_loss:\n"),
     m("grpo-kl-metric", GRPO, "k3_coefficient", "kl metric as k1 (−log ratio) instead of k3",
       "masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)", "masked_mean(-torch.log(ref_ratio), batch.mask)"),
     m("grpo-kl-metric-sign", GRPO, "k3_coefficient", "kl metric with + log instead of − log",
       "ref_ratio - torch.log(ref_ratio) - 1, batch.mask", "ref_ratio + torch.log(ref_ratio) - 1, batch.mask"),
     m("grpo-needs-ref", GRPO, "GRPO.needs", "reference asked for at β = 0", '({"ref_logp"} if cfg.beta > 0',
       '({"ref_logp"} if cfg.beta >= 0'),
-    m("grpo-needs-old", GRPO, "GRPO.needs", "old log-probs asked for at μ = 1", '({"old_logp"} if cfg.mu > 1',
-      '({"old_logp"} if cfg.mu >= 1'),
+    m("grpo-needs-old", GRPO, "GRPO.needs", "old log-probs asked for at μ = 1", "old = cfg.mu > 1 or",
+      "old = cfg.mu >= 1 or"),
     # algorithms/gspo.py
     m("gspo-sum-not-mean", GSPO, "sequence_log_ratio", "log s_i summed over tokens, not averaged (no 1/|o_i| power)",
       "sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)", "sum(-1, keepdim=True)"),
@@ -438,8 +444,8 @@ MUTANTS = [
     m("tis-uncapped", TRAIN, "tis_weight", "importance weight not truncated", ".clamp(max=cap).detach()", ".detach()"),
     m("tis-inverted", TRAIN, "tis_weight", "ratio upside down", "torch.exp(trainer - sampled)",
       "torch.exp(sampled - trainer)"),
-    m("tis-not-applied", TRAIN, "Engine.coefficient", "weight computed, GC left alone", "return gc * weight, {",
-      "return gc, {"),
+    m("tis-not-applied", TRAIN, "Engine.coefficient", "weight computed, GC left alone", "return gc * weight, m",
+      "return gc, m"),
     m("mismatch-k1", TRAIN, "mismatch_sums", "k1 (can be negative) instead of k3", "k3 = (d.exp() - 1 - d) * mask",
       "k3 = -d * mask"),
     # posttrain/models/gated_mlp.py: the two-activation backward; posttrain/models/lora.py and the engine: LoRA
@@ -457,7 +463,23 @@ MUTANTS = [
       "with lora.adapter_off(self.policy.module):", "if True:"),
     # posttrain/backends: several processes (tests/test_distributed.py runs them on 2 ranks)
     m("fsdp2-average-kept", FSDP, "FSDP2.backward", "FSDP's average over processes not undone",
-      "(loss * self.world_size).backward()", "loss.backward()"),
+      "self.scaled(loss * self.world_size, trained).backward()", "self.scaled(loss, trained).backward()"),
+    # posttrain/backends/base.py and loss_scale.py: fp16-mixed's loss scale
+    m("loss-scale-not-undone", BASE, "Backend.clip_and_step", "gradients clipped and stepped still times S",
+      "            trained.scale.unscale_(trained.module.parameters())\n", "            pass\n"),
+    m("loss-scale-overflow-steps", BASE, "Backend.clip_and_step", "a step whose gradient overflowed is taken",
+      "        if finite:\n            trained.optimizer.step()", "        if True:\n            trained.optimizer.step()"),
+    m("loss-scale-never-backs-off", SCALE, "LossScale.update", "an overflow keeps S",
+      "self.scale, self.good_steps = self.scale / 2, 0", "self.scale, self.good_steps = self.scale, 0"),
+    # posttrain/core/precision.py: train.precision=auto
+    m("auto-bf16-without-bf16", PREC, "cpu_bf16", "a CPU without bf16 arithmetic is taken for native",
+      "        return False, f\"this CPU ({cpu_class(f)}) has no bf16 arithmetic\"",
+      "        return True, f\"this CPU ({cpu_class(f)}) has no bf16 arithmetic\""),
+    m("auto-trusts-capped-flags", PREC, "cpu_bf16", "capped kernels are not probed",
+      "    caps = capped()\n", "    caps = []\n"),
+    # posttrain/core/threads.py: threads fitted to the free cores
+    m("threads-own-load-counted", THREADS, "ThreadFit.update", "this process's own CPU time counted as others'",
+      "self.others = max(0.0, busy - own)", "self.others = max(0.0, busy)"),
     m("zero-average-kept", ZERO, "ZeRO.backward", "DeepSpeed's average over processes not undone",
       "trained.module.backward(loss * self.world_size, scale_wrt_gas=False)",
       "trained.module.backward(loss, scale_wrt_gas=False)"),
@@ -520,11 +542,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", nargs="*", help="mutant ids or patterns (default: all)")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="only check, in a second, that every mutant's `old` "
+                        "occurs exactly once in its file (a mutant that no longer matches tests nothing); exit 1 if not")
     parser.add_argument("--engine", action="store_true", help="run the engine invariance test for every mutant")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant before it counts as killed")
     parser.add_argument("--markdown", type=Path, help="also write the results as a markdown table here")
     args = parser.parse_args()
     mutants = select(args.ids)
+    if args.check:
+        stale = [(x, n) for x in mutants if (n := (ROOT / x.path).read_text().count(x.old)) != 1]
+        for x, n in stale:
+            print(f"stale: {x.id}: `old` occurs {n} times in {x.path}")
+        print(f"{len(mutants)} mutants: {len(mutants) - len(stale)} match their code, {len(stale)} stale")
+        return 1 if stale else 0
     if args.list:
         for x in mutants:
             print(f"{x.id:28} {x.path:32} {x.func:32} {x.what}" + ("  [equivalent]" if x.equivalent else ""))

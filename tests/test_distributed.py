@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.core import precision
+
 HERE = Path(__file__).parent
 # The DeepSpeed backends run when DeepSpeed is installed; CI installs it and sets POSTTRAIN_REQUIRE_DEEPSPEED=1, so
 # that there a missing DeepSpeed fails these tests instead of skipping them.
@@ -142,8 +144,10 @@ def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path, extra, backend, offload)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == backend
     # rank 0's trained weights: every one under DDP and ZeRO-2, half of each under FSDP2 and ZeRO-3; in fp32 under
-    # the recipe's bf16-mixed, except on DeepSpeed, whose bf16 holds them in bf16 (and the fp32 copy in its optimizer)
-    width = 2 if backend.startswith("zero") else 4
+    # fp32 and bf16-mixed (what the recipe's auto picks where bf16 is native), except on DeepSpeed, whose bf16 holds
+    # them in bf16 (and the fp32 copy in its optimizer)
+    assert summary["precision"] == precision.resolve("auto", "cpu", ("fp32", "bf16-mixed")).precision
+    width = 2 if backend.startswith("zero") and summary["precision"] == "bf16-mixed" else 4
     held = summary["memory"]["roles_bytes"]["policy_weights"] / (width * summary["parameters"]["total"])
     assert held == pytest.approx(SHARE[backend]["weights"], rel=0.02)
     if extra:  # the adapter, and the base with it merged in, gathered from the shards

@@ -82,11 +82,12 @@ def test_a_run_stops_and_rolls_back_to_its_best_model(tiny_model_dir, tmp_path, 
     scripted = iter([0.1, 0.5, 0.7, 0.6, 0.4])  # eval_before, then steps 1-4
     monkeypatch.setattr(Engine, "evaluate", lambda self: {"accuracy": next(scripted), "num_problems": 2})
     out = tmp_path / "es"
-    cfg, resolved = config.load("grpo_math", [f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=6",
-                                              "train.batch_size=2", "algorithm.group_size=2",
-                                              "rollout.max_new_tokens=4", "eval.num_problems=2", "eval.every=1",
-                                              "eval.stop_on=accuracy", "eval.patience=2", "eval.min_delta=0",
-                                              "train.save_every=1", "train.keep_checkpoints=1", *EASY])
+    # SFT: every step moves the weights (a random model's GRPO groups all earn 0, and in fp32 its reference equals the
+    # policy: no gradient, and step 4's model would be step 2's)
+    cfg, resolved = config.load("sft_math", [f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=6",
+                                             "train.batch_size=2", "eval.num_problems=2", "eval.every=1",
+                                             "eval.stop_on=accuracy", "eval.patience=2", "eval.min_delta=0",
+                                             "train.save_every=1", "train.keep_checkpoints=1", *EASY])
     summary = train(cfg, resolved, quiet=True)
     assert summary["early_stop"] == {"metric": "accuracy", "best_step": 2, "best_value": 0.7, "stopped_at": 4}
     assert summary["steps"] == 4 and summary["eval_after"]["accuracy"] == 0.7

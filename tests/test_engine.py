@@ -8,6 +8,7 @@ import torch
 from posttrain import config
 from posttrain.backends.ddp import DDP
 from posttrain.core.aggregation import MODES, Totals
+from posttrain.core.threads import usable_cores
 from posttrain.sources import run_splits
 from posttrain.train import Engine, run
 
@@ -74,10 +75,11 @@ def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):
     outs = []
     for name in ("a", "b"):
         cfg, resolved = make_cfg(tiny_model_dir, tmp_path, f"output_dir={tmp_path / name}", "train.steps=2",
+                                 f"train.threads={usable_cores()}",  # pinned: fitted, it could differ between the two
                                  "algorithm.mu=2", "train.micro_batch_size=3")
         run(cfg, resolved, quiet=True)
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        timing = ("time/", "tokens_per_s", "wall_seconds")
+        timing = ("time/", "tokens_per_s", "wall_seconds", "threads")
         outs.append(([{k: v for k, v in m.items() if not k.startswith(timing)} for m in lines],
                      (tmp_path / name / "model" / "model.safetensors").read_bytes()))
     assert outs[0] == outs[1]

@@ -62,7 +62,8 @@ def restore_threads():
 
 def test_a_busy_core_costs_one_thread_until_it_is_free(monkeypatch, restore_threads):
     """With the busy time of the allowed cores and this process's own CPU time given, `update` runs one thread fewer
-    for each core that others kept busy, never fewer than one, and all of them once the cores are free."""
+    for each core that others kept busy, never fewer than one, and all of them once the cores are free; it judges
+    windows of at least WINDOW_S seconds, so a short burst between two steps costs nothing."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "allowed_cpus", lambda: {0, 1})
     monkeypatch.setattr(threads, "usable_cores", lambda quota=None: 2)
@@ -73,10 +74,10 @@ def test_a_busy_core_costs_one_thread_until_it_is_free(monkeypatch, restore_thre
     fit = threads.ThreadFit(0)
     assert fit.fitting and fit.threads == torch.get_num_threads() == 2
 
-    def interval(busy, own):
-        clock["wall"] += 1.0
-        clock["busy"] += busy
-        clock["own"] += own
+    def interval(busy, own, seconds=threads.WINDOW_S):  # cores busy on average over `seconds`
+        clock["wall"] += seconds
+        clock["busy"] += busy * seconds
+        clock["own"] += own * seconds
         return fit.update()
 
     assert interval(busy=2.0, own=2.0) == 2  # the run alone on both cores
@@ -86,6 +87,8 @@ def test_a_busy_core_costs_one_thread_until_it_is_free(monkeypatch, restore_thre
     assert interval(busy=2.0, own=0.3) == 1  # two cores taken: still one thread
     assert interval(busy=1.3, own=1.0) == 2  # a third of a core is noise, not a taken core
     assert torch.get_num_threads() == 2
+    assert interval(busy=2.0, own=0.0, seconds=0.5) == 2  # a burst shorter than the window: not judged yet
+    assert interval(busy=1.0, own=1.0, seconds=threads.WINDOW_S) == 2  # judged over both: 0.4 cores of others
 
 
 def test_a_pinned_count_is_kept(monkeypatch, restore_threads):
@@ -103,12 +106,12 @@ def test_a_real_busy_process_is_seen(monkeypatch, restore_threads):
         pytest.skip("needs two cores and /proc/stat")
     fit = threads.ThreadFit(0)
     # not a child of this process (whose children's CPU time counts as its own): started by a shell that exits
-    spinner = f"{sys.executable} -c 'import time\nend = time.time() + 4\nwhile time.time() < end: pass' >/dev/null 2>&1 & echo $!"
+    spinner = f"{sys.executable} -c 'import time\nend = time.time() + 6\nwhile time.time() < end: pass' >/dev/null 2>&1 & echo $!"
     pid = int(subprocess.run(["sh", "-c", spinner], capture_output=True, text=True, check=True).stdout)
     try:
         time.sleep(0.3)  # the spinner is up
-        fit.update()
-        time.sleep(1.5)
+        fit._mark = fit._sample()
+        time.sleep(threads.WINDOW_S + 0.2)
         threads_now = fit.update()
     finally:
         with contextlib.suppress(ProcessLookupError):

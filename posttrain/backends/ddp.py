@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from posttrain.backends.base import Backend, Trained, adamw, register, write
+from posttrain.core.precision import resolve
 
 
 def _close_process_group() -> None:
@@ -49,6 +50,8 @@ class DDP(Backend):
         super().__init__(precision, offload)
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.device, self.rank, self.world_size = self.acc.device, self.acc.process_index, self.acc.num_processes
+        if self.precision == "auto":  # given the config's own value (a run settles it first, and says why)
+            self.precision = resolve("auto", self.device, self.precisions).precision
         if self.world_size > 1:
             atexit.unregister(_close_process_group)  # once, however many runs this process makes
             atexit.register(_close_process_group)

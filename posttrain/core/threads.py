@@ -8,9 +8,11 @@ with one thread (bench/busy_core.py has the figures). So a run
 1. starts with as many threads as the cores it may use: its CPU affinity (`os.sched_getaffinity`, which taskset,
    numactl and container cpusets set), capped by a cgroup CPU quota (`cpu.max`, or v1's `cpu.cfs_quota_us`), and
    shared among the processes of one machine (`LOCAL_WORLD_SIZE`);
-2. after each step, measures how many of those cores other processes kept busy during it (/proc/stat's busy time
-   on the allowed cores less this process's own and its children's CPU time) and runs one thread fewer for each,
-   never fewer than one; they come back once the cores are free.
+2. after each step, once at least `WINDOW_S` seconds have passed since it last looked, measures how many of those
+   cores other processes kept busy meanwhile (/proc/stat's busy time on the allowed cores less this process's own
+   and its children's CPU time) and runs one thread fewer for each, never fewer than one; they come back once the
+   cores are free. The window keeps bursts (the kernel writing a checkpoint back to disk, a short command) and the
+   clock-tick rounding of short steps from costing a thread.
 
 `train.threads=N`, or OMP_NUM_THREADS in the environment (torchrun sets it to 1 for several processes), pins the
 count instead. Thread counts can change the last bits of some reductions, so a run that must repeat bit for bit
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+WINDOW_S = 2.0  # the shortest interval over which others' load is judged
 
 
 def cgroup_quota(root: Path = CGROUP) -> float | None:
@@ -132,14 +135,16 @@ class ThreadFit:
         cores they left free (at least one), and returns it."""
         if not self.fitting:
             return self.threads
-        then, self._mark = self._mark, self._sample()
-        wall = self._mark[0] - then[0]
-        if then[1] is None or self._mark[1] is None or wall <= 0:
+        if time.monotonic() - self._mark[0] < WINDOW_S:  # too short to tell a busy core from a burst: keep the mark
             return self.threads
-        busy = (self._mark[1] - then[1]) / wall  # cores busy on average, everyone's
-        own = (self._mark[2] - then[2]) / wall
+        then, now = self._mark, self._sample()
+        self._mark, wall = now, now[0] - then[0]
+        if then[1] is None or now[1] is None:
+            return self.threads
+        busy = (now[1] - then[1]) / wall  # cores busy on average, everyone's
+        own = (now[2] - then[2]) / wall
         self.others = max(0.0, busy - own)
-        # a core counts as taken once another process kept it busy for most of the step (rounding at 0.6)
+        # a core counts as taken once other processes kept it busy for most of the window (rounding at 0.6)
         threads = max(1, min(self.cores, len(self._cpus) - math.floor(self.others + 0.4)))
         if threads != self.threads:
             self.torch.set_num_threads(threads)

@@ -84,7 +84,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
             keep_metrics_until(out / "metrics.jsonl", start)
         if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
             print(f"posttrain: train.precision=auto runs {chose.precision}: {chose.reason}", file=sys.stderr)
-        elif warning := precision.emulation_warning(cfg.train.precision, run_device()):
+        elif requested != "auto" and (warning := precision.emulation_warning(cfg.train.precision, run_device())):
             print(f"posttrain: warning: {warning}", file=sys.stderr)
         if not quiet:
             what = f"resuming from step {start} of " if checkpoint is not None else ""
