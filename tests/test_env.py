@@ -28,6 +28,9 @@ def test_env_json_says_what_a_run_will_do_here():
     cpu = r["cpu"]
     assert cpu["class"] == precision.cpu_class() and cpu["flags"]["kernels"] == torch.backends.cpu.get_cpu_capability()
     assert all(rate > 0 for rate in cpu["matmul_gflops"].values())
+    cpuinfo = open("/proc/cpuinfo").read()
+    for flag, name in (("avx2", "avx2"), ("avx512_bf16", "avx512_bf16"), ("amx_tile", "amx_tile")):
+        assert cpu["flags"][name] == (f" {flag}" in cpuinfo), name  # what the CPU has, as the kernel lists it
     assert r["precision_auto"]["precision"] == precision.resolve("auto", "cpu").precision
     assert cpu["bf16"] == ("native" if r["precision_auto"]["precision"] == "bf16-mixed" else "emulated")
     assert r["threads"]["run_threads"] == threads.usable_cores() and r["threads"]["pinned_by"] is None

@@ -114,7 +114,7 @@ def test_the_loss_scale_is_in_the_training_state(tmp_path):
     assert fresh.scale.state_dict() == {"scale": 512.0, "good_steps": 7}
 
 
-FLAGS = {"avx2": True, "avx512": False, "avx512_vnni": False, "avx512_bf16": False, "amx_tile": False,
+FLAGS = {"avx2": True, "avx512": False, "vnni": False, "avx512_bf16": False, "amx_tile": False, "amx_fp16": False,
          "kernels": "AVX2"}
 
 

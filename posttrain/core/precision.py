@@ -38,9 +38,9 @@ class Choice:
 
 def cpu_flags() -> dict[str, bool | str]:
     """What the CPU has (torch's checks) and what torch's kernels use of it (`get_cpu_capability`)."""
-    cpu = torch.cpu
+    cpu = torch.cpu  # a check this torch lacks reads as False
     flags = {name: bool(getattr(cpu, f"_is_{name}_supported", lambda: False)())
-             for name in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx_tile")}
+             for name in ("avx2", "avx512", "vnni", "avx512_bf16", "amx_tile", "amx_fp16")}
     flags["kernels"] = torch.backends.cpu.get_cpu_capability()  # DEFAULT, AVX2, AVX512 (ATEN_CPU_CAPABILITY caps it)
     return flags
 
