@@ -9,10 +9,20 @@ import torch
 from posttrain.core.registry import Registry
 
 REGISTRY = Registry("algorithm", "algorithm.name")  # name -> plugin class
+BY_CONFIG: dict[type, type[Algorithm]] = {}  # Config class -> plugin: a validated config names its method
 
 
 class Algorithm:
     """Defaults shared by every plugin. Subclasses set `Config` and override what differs.
+
+    What is logged: the engine's `loss` is the surrogate −aggregate(stopgrad(GC) · log πθ), whose gradient is the
+    method's but whose value means nothing. Beside it the engine logs `objective`, the value of what the method
+    minimises: the plugin's `objective` per token, aggregated exactly as the loss (same mode, same whole-step
+    denominators). Its sign is the loss's: a method the paper writes as maximising J logs −J (the clipped surrogate
+    with its KL term, negated), DPO its loss, SFT and RFT their negative log-likelihood. Where the surrogate's
+    gradient is the method's, ∇ objective = ∇ loss; `tests/test_objective.py` checks it for every registered method,
+    at ρ = 1 and off it. The engine's importance weights (`rollout.tis_cap`, the elite pool's) multiply GC but are
+    not part of `objective`.
 
     Attributes:
         name: the registry name, set by `register`.
@@ -25,6 +35,9 @@ class Algorithm:
             `posttrain estimate` reads it, to count one by default.
         kl_penalty: the config's `beta` weighs a KL penalty to the reference, which `train.beta_schedule` may vary
             step by step (DPO's β is a temperature of its loss, not such a weight).
+        reward_threshold: the config key of a fixed threshold the method compares each reward with (Online RFT's
+            `threshold`), or None where only the rewards' differences matter. A z-scored reward
+            (`rewards.normalize`) has no fixed scale, so such a method refuses it.
     """
 
     name: str = ""
@@ -33,6 +46,7 @@ class Algorithm:
     unit: int = 1
     learned_reward: bool = False
     kl_penalty: bool = False
+    reward_threshold: str | None = None
 
     @staticmethod
     def needs(cfg: Any) -> frozenset[str]:
@@ -71,9 +85,52 @@ class Algorithm:
         raise NotImplementedError
 
     @staticmethod
+    def objective(batch: Any, logp: torch.Tensor, cfg: Any) -> torch.Tensor:
+        """The method's objective per response token of a micro-batch [B, R], signed as a loss (see the class
+        docstring), differentiable in `logp`. The engine calls it on detached log-probs, under no_grad, only to log
+        its aggregate; the tests differentiate it."""
+        raise NotImplementedError
+
+    @staticmethod
     def critic_loss(batch: Any, values: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token critic loss [B, R] from the critic's current values, for methods that need "values"."""
         raise NotImplementedError
 
+    @staticmethod
+    def critic_aggregation(cfg: Any) -> tuple[str, float]:
+        """(mode, norm) under which the engine aggregates `critic_loss`, for methods that need "values"."""
+        raise NotImplementedError
 
-register, get = REGISTRY.register, REGISTRY.find
+    @classmethod
+    def sized_config(cls, kl_weight: float, group: int) -> Any:
+        """The default config with a KL weight and a number of samples per prompt, where the method has such settings
+        (this base ignores both): what `posttrain estimate` sizes. A value the config rejects raises its
+        ConfigError."""
+        return cls.Config()
+
+
+def register(name: str):
+    """Decorator adding a plugin to the registry under `name`; its `Config` must be its own, so that a config names
+    its method (`plugin_of`)."""
+
+    def add(plugin: type[Algorithm]) -> type[Algorithm]:
+        owner = BY_CONFIG.get(plugin.Config)
+        if owner is not None:
+            raise ValueError(f"algorithm {name!r}: its Config {plugin.Config.__name__} is {owner.name!r}'s; a method "
+                             "needs a Config class of its own (a subclass will do)")
+        REGISTRY.register(name)(plugin)
+        BY_CONFIG[plugin.Config] = plugin
+        return plugin
+
+    return add
+
+
+def plugin_of(config: Any) -> type[Algorithm]:
+    """The registered plugin whose `Config` `config` is an instance of (exactly: a subclass names its own method)."""
+    try:
+        return BY_CONFIG[type(config)]
+    except KeyError:
+        raise ValueError(f"no plugin has config type {type(config).__name__}") from None
+
+
+get = REGISTRY.find

@@ -33,6 +33,7 @@ Metrics (means over the pairs of a micro-batch):
     chosen_logratio: ℓ⁺; rises as the policy moves probability onto preferred responses.
     rejected_logratio: ℓ⁻; falls as it moves probability off dispreferred ones.
     dpo_loss: L itself (the engine's `loss` is the surrogate, whose value means nothing here).
+    objective: L as well, as every method logs it: the mean over pairs of L, the quantity minimised.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ import torch.nn.functional as F
 from posttrain.algorithms.base import Algorithm, register
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(Freezable):
     beta: float = 0.1
     """β: strength of the implicit KL constraint to the reference; larger keeps the policy closer (> 0)."""
     length_normalize: bool = False
@@ -98,23 +100,45 @@ class DPO(Algorithm):
     @staticmethod
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         B, R = logp.shape
-        assert B % 2 == 0, f"DPO expects rows [chosen, rejected] * pairs, got an odd B = {B}"
-        assert batch.mask.shape == (B, R), f"DPO expects mask [B, R] = {(B, R)}, got {tuple(batch.mask.shape)}"
-        assert batch.ref_logp is not None and batch.ref_logp.shape == (B, R), "DPO expects ref_logp [B, R]"
-        length = batch.mask.sum(-1)  # [B]
-        assert bool((length > 0).all()), "DPO expects every response to have at least one token (EOS)"
-        logratio = ((logp - batch.ref_logp) * batch.mask).sum(-1)  # [B]
-        if cfg.length_normalize:
-            logratio = logratio / length  # [B]
-        chosen, rejected = logratio.view(B // 2, 2).unbind(-1)  # [B/2], [B/2]
-        z = cfg.beta * (chosen - rejected)  # [B/2]
+        z, chosen, rejected = margin(batch, logp, cfg)  # [B/2] each
         eps = cfg.label_smoothing
         w = (1 - eps) * torch.sigmoid(-z) - eps * torch.sigmoid(z)  # [B/2] = −dL/dz
         # dL/dℓ± = ∓βw, and L is averaged over pairs. The engine divides by the number of sequences, two per pair,
         # so each sequence's GC carries a factor 2: Σ_seq GC/(2·pairs) = Σ_pairs βw/pairs.
         sign = torch.tensor([1.0, -1.0], dtype=logp.dtype, device=logp.device)  # [2] + on o⁺, − on o⁻
         gc = (2 * cfg.beta * w[:, None] * sign).reshape(B, 1) * batch.mask  # [B, R]
-        loss = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)  # [B/2]
         metrics = {"reward_margin": z.mean(), "pair_accuracy": (z > 0).to(logp.dtype).mean(),
-                   "chosen_logratio": chosen.mean(), "rejected_logratio": rejected.mean(), "dpo_loss": loss.mean()}
+                   "chosen_logratio": chosen.mean(), "rejected_logratio": rejected.mean(),
+                   "dpo_loss": pair_loss(z, eps).mean()}
         return gc, {k: v.detach() for k, v in metrics.items()}
+
+    @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> torch.Tensor:
+        """Each pair's L on the tokens of both its rows, spread so that DPO's aggregation (`aggregation`) gives the
+        mean over pairs: L on every token under the mean over tokens, L/|o| under the sum."""
+        z, _, _ = margin(batch, logp, cfg)  # [B/2]
+        per_row = pair_loss(z, cfg.label_smoothing).repeat_interleave(2)  # [B] L of the row's pair
+        if not cfg.length_normalize:
+            per_row = per_row / batch.mask.sum(-1)  # [B]
+        return per_row[:, None] * batch.mask  # [B, R]
+
+
+def margin(batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z, ℓ⁺, ℓ⁻), each [B/2]: the margin β(ℓ⁺ − ℓ⁻) and the log-ratios to the reference of the rows
+    [chosen_0, rejected_0, chosen_1, …] of `logp` [B, R] (summed over tokens, or averaged: `length_normalize`)."""
+    B, R = logp.shape
+    assert B % 2 == 0, f"DPO expects rows [chosen, rejected] * pairs, got an odd B = {B}"
+    assert batch.mask.shape == (B, R), f"DPO expects mask [B, R] = {(B, R)}, got {tuple(batch.mask.shape)}"
+    assert batch.ref_logp is not None and batch.ref_logp.shape == (B, R), "DPO expects ref_logp [B, R]"
+    length = batch.mask.sum(-1)  # [B]
+    assert bool((length > 0).all()), "DPO expects every response to have at least one token (EOS)"
+    logratio = ((logp - batch.ref_logp) * batch.mask).sum(-1)  # [B]
+    if cfg.length_normalize:
+        logratio = logratio / length  # [B]
+    chosen, rejected = logratio.view(B // 2, 2).unbind(-1)  # [B/2], [B/2]
+    return cfg.beta * (chosen - rejected), chosen, rejected  # [B/2] each
+
+
+def pair_loss(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """L = −(1 − ε) log σ(z) − ε log σ(−z) of each pair; [B/2] -> [B/2]."""
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)

@@ -20,11 +20,11 @@ which with μ = 1 (ρ = 1, never clipped) is the paper's Â_{i,t} + β(π_ref/π
 Deviations from the paper:
     1. The std gets `eps` added (as in most implementations) so groups with equal rewards give Â = 0, not NaN.
        `adv_norm` picks the group normalisation (`group_advantages`): `mean_std`, the paper's; `none`, r − mean
-       (Dr. GRPO, arXiv:2503.20783; the older `scale_std=false` still means this); `median_mad`, the robust
-       (r − median) / (1.4826·MAD + eps) with MAD = median |r − median| over the group (Hampel 1974, JASA 69:383;
-       1.4826 = 1/Φ⁻¹(3/4) makes 1.4826·MAD a consistent estimate of σ for normal data). The median of a group of
-       even size is the mean of its two middle values. MAD is 0 once more than half of a group agree (most groups
-       of 0/1 rewards), and Â would be ±1/eps; the scale is then √(π/2)·mean |r − median|, also consistent for σ.
+       (Dr. GRPO, arXiv:2503.20783); `median_mad`, the robust (r − median) / (1.4826·MAD + eps) with
+       MAD = median |r − median| over the group (Hampel 1974, JASA 69:383; 1.4826 = 1/Φ⁻¹(3/4) makes 1.4826·MAD a
+       consistent estimate of σ for normal data). The median of a group of even size is the mean of its two middle
+       values. MAD is 0 once more than half of a group agree (most groups of 0/1 rewards), and Â would be ±1/eps;
+       the scale is then √(π/2)·mean |r − median|, also consistent for σ.
     2. `clip_eps_high` allows a separate upper clip bound (DAPO "clip-higher", arXiv:2503.14476); off by default.
     3. `mask_truncated` drops completions that ran out of tokens from the loss (DAPO's overlong filtering); off by
        default.
@@ -37,30 +37,36 @@ Metrics:
     kl: masked mean of the k3 estimate of KL(πθ‖π_ref) per token (only with β > 0).
     clip_frac: fraction of response tokens whose gradient the clip removed.
     ratio: masked mean of ρ.
+    objective: −J, the per-token −min(ρÂ, clip(ρ)Â) + β·k3 under `train.loss_agg` (the loss's sign: lower is
+        better). At ρ = 1 its first term is −mean Â, about 0 as Â is centred in each group, so at μ = 1 it moves
+        mostly with the KL term.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from posttrain.algorithms.base import Algorithm, register
-from posttrain.algorithms.ppo import clipped_coefficient
-from posttrain.core.aggregation import masked_mean
+from posttrain.algorithms.common import (
+    ADV_NORMS,
+    clipped_coefficient,
+    clipped_objective,
+    group_advantages,
+    group_stats,
+    k3_coefficient,
+    k3_penalty,
+)
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
-
-ADV_NORMS = ("mean_std", "median_mad", "none")
-MAD_TO_STD = 1.4826  # 1/Φ⁻¹(3/4): σ ≈ 1.4826·MAD for normal data
-MEAN_AD_TO_STD = math.sqrt(math.pi / 2)  # σ = √(π/2)·E|x − median| for normal data
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(Freezable):
     group_size: int = 8
     """G: completions sampled per prompt (at least 2, or there is no group to compare with)."""
     beta: float = 0.04
@@ -73,8 +79,6 @@ class GRPOConfig:
     """μ: optimizer steps on each batch of samples, against the stored old log-probs."""
     adv_norm: str = "mean_std"
     """Group normalisation of Â: mean_std (paper), none (r − mean, Dr. GRPO) or median_mad (robust; see deviation 1)."""
-    scale_std: bool | None = None
-    """Deprecated, kept for old configs: false is adv_norm=none, true adv_norm=mean_std; null: use adv_norm."""
     eps: float = 1e-4
     """Added to the group's scale (std, or 1.4826·MAD) before dividing."""
     mask_truncated: bool = False
@@ -95,12 +99,6 @@ class GRPOConfig:
                               f"{self.group_size})")
         if self.adv_norm not in ADV_NORMS:
             raise ConfigError(f"adv_norm: unknown {self.adv_norm!r}; known: {', '.join(ADV_NORMS)}")
-        if self.scale_std is not None:  # the older key, folded into adv_norm; a contradiction is an error
-            allowed = ("mean_std",) if self.scale_std else ("mean_std", "none")  # mean_std: also adv_norm's default
-            if self.adv_norm not in allowed:
-                raise ConfigError(f"scale_std={str(self.scale_std).lower()} and adv_norm={self.adv_norm} disagree; "
-                                  "scale_std is deprecated: give adv_norm alone")
-            self.adv_norm = "mean_std" if self.scale_std else "none"
         if self.beta < 0:
             raise ConfigError(f"beta: must be ≥ 0 (got {self.beta})")
         for key in ("clip_eps", "clip_eps_high", "eps"):
@@ -111,52 +109,15 @@ class GRPOConfig:
             raise ConfigError(f"mu: must be ≥ 1 (got {self.mu})")
 
 
-def group_stats(reward: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased std of each sample's group, for groups of any size and order: [B] rewards and [B] group ids
-    -> ([B] group mean, [B] group std), one value per sample."""
-    _, idx, size = torch.unique(group, return_inverse=True, return_counts=True)  # idx [B], size [n_groups]
-    size = size.to(reward.dtype)
-    mean = torch.zeros_like(size).index_add_(0, idx, reward) / size  # [n_groups]
-    var = torch.zeros_like(size).index_add_(0, idx, (reward - mean[idx]) ** 2) / (size - 1).clamp(min=1)
-    return mean[idx], var.sqrt()[idx]  # [B], [B]
-
-
-def group_median(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """Median of each sample's group, the mean of the two middle values when its size is even; [B] -> [B]."""
-    _, idx, size = torch.unique(group, return_inverse=True, return_counts=True)  # idx [B], size [n_groups]
-    by_value = torch.argsort(x, stable=True)  # [B]
-    order = by_value[torch.argsort(idx[by_value], stable=True)]  # [B] by group, then by value within the group
-    start = size.cumsum(0) - size  # [n_groups] where each group begins in `order`
-    ranked = x[order]  # [B]
-    return ((ranked[start + (size - 1) // 2] + ranked[start + size // 2]) / 2)[idx]  # [B]
-
-
-def group_advantages(reward: torch.Tensor, group: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
-    """Â_i from the rewards of its group, by `norm` (one of ADV_NORMS); [B] -> [B].
-
-    mean_std: (r_i − mean) / (std + eps);  none: r_i − mean;  median_mad: (r_i − median) / (1.4826·MAD + eps), with
-    √(π/2)·mean |r − median| as the scale where MAD is 0."""
-    if norm == "median_mad":
-        median = group_median(reward, group)  # [B]
-        dev = (reward - median).abs()  # [B]
-        scale = MAD_TO_STD * group_median(dev, group)  # [B]
-        scale = torch.where(scale > 0, scale, MEAN_AD_TO_STD * group_stats(dev, group)[0])  # [B]
-        return (reward - median) / (scale + eps)
-    mean, std = group_stats(reward, group)
-    return (reward - mean) / (std + eps) if norm == "mean_std" else reward - mean
-
-
-def k3_coefficient(batch: Batch, logp: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GC of the per-token penalty −β·D_KL (k3, Eq. 4), β(π_ref/πθ − 1) [B, R], and the masked mean of k3 []."""
-    ref_ratio = torch.exp(batch.ref_logp - logp)  # [B, R] π_ref / πθ
-    return beta * (ref_ratio - 1), masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)
-
-
 @register("grpo")
 class GRPO(Algorithm):
     Config = GRPOConfig
     source = "online"
     kl_penalty = True
+
+    @classmethod
+    def sized_config(cls, kl_weight: float, group: int) -> GRPOConfig:
+        return dataclasses.replace(cls.Config(), beta=kl_weight, group_size=group)
 
     @staticmethod
     def needs(cfg: GRPOConfig) -> frozenset[str]:
@@ -183,14 +144,29 @@ class GRPO(Algorithm):
         return dataclasses.replace(batch, adv=adv, mask=mask), metrics
 
     @staticmethod
-    def coefficient(batch: Batch, logp: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def token_advantage(batch: Batch, logp: torch.Tensor) -> torch.Tensor:
+        """Â per token, broadcast against [B, R]: outcome supervision gives one per sample, [B] -> [B, 1]. A method
+        of the family with a per-token advantage (GRPO+PS, REINFORCE++) overrides this alone."""
         B, R = logp.shape
-        assert batch.adv.shape in ((B,), (B, R)) and batch.mask.shape == (B, R), \
-            "GRPO expects adv [B] (outcome supervision) or [B, R] (process supervision, grpo_ps) and mask [B, R]"
-        adv = batch.adv[:, None] if batch.adv.dim() == 1 else batch.adv  # [B, 1] or [B, R]
+        assert batch.adv.shape == (B,) and batch.mask.shape == (B, R), "GRPO expects adv [B] and mask [B, R]"
+        return batch.adv[:, None]  # [B, 1]
+
+    @classmethod
+    def coefficient(cls, batch: Batch, logp: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, dict]:
+        adv = cls.token_advantage(batch, logp)  # [B, 1] (or [B, R] where a subclass says so)
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
         gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
         if cfg.beta > 0 and cfg.kl_in_loss:
             kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
             gc = gc + kl_gc
         return gc, metrics
+
+    @classmethod
+    def objective(cls, batch: Batch, logp: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+        """−min(ρÂ, clip(ρ)Â) + β·k3 per token, the negated term of Eq. 3 (k3 only where the KL is in the loss)."""
+        adv = cls.token_advantage(batch, logp)  # [B, 1] (or [B, R])
+        old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # [B, R]; at μ = 1 π_old is πθ
+        value = -clipped_objective(adv, logp, old_logp, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
+        if cfg.kl_in_loss and cfg.beta > 0:
+            value = value + k3_penalty(batch.ref_logp, logp, cfg.beta)  # [B, R]
+        return value

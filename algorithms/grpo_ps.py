@@ -16,14 +16,15 @@ Gradient coefficient (unified view, GRPO's Eq. 21 with a per-token advantage):
 
     GC_{i,t} = Â_{i,t} · ρ_{i,t} · 1[ρ on the unclipped side of the min] + β (π_ref/πθ − 1),
 
-which is `GRPO.coefficient` itself, given a [B, R] advantage: only `prepare` (and what it needs) differs.
+which is `GRPO.coefficient` itself, given a [B, R] advantage: only `prepare` (and what it needs) and the shape of Â
+(`token_advantage`) differ.
 
 Step rewards come from `rewards.process` through the judge (`Judge.score_steps`): `steps`, the embedded task's rule
 (rewards/steps.py), or `model`, a process reward model (rewards/process_model.py). The online source puts them on the
 sampled tokens as `batch.extra["step_reward"]` (each step's reward at its end token) and `["step_end"]` (1.0 there).
 
 Deviations from the paper, and choices where it is silent:
-    1. The normalisation is GRPO's (`adv_norm`, `eps`; algorithms/grpo.py `group_advantages`) over each group's step
+    1. The normalisation is GRPO's (`adv_norm`, `eps`; algorithms/common.py `group_advantages`) over each group's step
        rewards pooled: mean_std by default, the std unbiased with `eps` added, so a group whose step rewards are all
        equal gets Â = 0. Groups may have any size and order.
     2. A step ends at the token that completes its text (a line's newline); the last step at the response's last
@@ -37,7 +38,7 @@ Metrics:
     step_reward: mean reward of the batch's steps.
     steps_per_sample: mean number of steps per completion.
     zero_std_frac: fraction of samples whose group's step rewards are all equal (their Â is 0).
-    kl, clip_frac, ratio: as GRPO's.
+    kl, clip_frac, ratio, objective: as GRPO's, with the per-token Â_{i,t}.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import register
-from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_advantages, group_stats
+from posttrain.algorithms.common import group_advantages, group_stats
+from posttrain.algorithms.grpo import GRPO, GRPOConfig
 from posttrain.core.batch import Batch
 
 
@@ -100,3 +102,9 @@ class GRPOPS(GRPO):
         metrics = {"step_reward": steps.sum() / max(len(steps), 1), "steps_per_sample": end.sum() / B,
                    "zero_std_frac": zero.float().mean()}
         return dataclasses.replace(batch, adv=adv, mask=mask), metrics
+
+    @staticmethod
+    def token_advantage(batch: Batch, logp: torch.Tensor) -> torch.Tensor:
+        """Â_{i,t} of every token, as `prepare` left it: [B, R]."""
+        assert batch.adv.shape == batch.mask.shape == logp.shape, "GRPO+PS expects adv and mask [B, R]"
+        return batch.adv  # [B, R]

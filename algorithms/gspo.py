@@ -20,7 +20,7 @@ With μ = 1 and no old log-probs, s_i = 1 and the gradient is GRPO's under `seq_
 Σ_t ∇log πθ); the two differ only once updates are off-policy (μ > 1), which is why `mu` defaults to 2 here.
 
 Deviations from the paper:
-    1. β > 0 adds GRPO's per-token k3 penalty to the reference, GC + β(π_ref/πθ − 1) (`grpo.k3_coefficient`); the
+    1. β > 0 adds GRPO's per-token k3 penalty to the reference, GC + β(π_ref/πθ − 1) (`common.k3_coefficient`); the
        paper has no KL term, so β defaults to 0.
     2. Â_i is GRPO's `group_advantages`: the paper's (r_i − mean)/std by default, with `adv_norm`, `eps` and
        `mask_truncated` as in GRPO.
@@ -30,6 +30,8 @@ Deviations from the paper:
 Metrics (GRPO's reward_std, zero_std_frac and, with β > 0, kl, plus):
     clip_frac: fraction of sequences whose gradient the clip removed, among those with Â ≠ 0.
     ratio: mean of s_i over the sequences in the loss.
+    objective: −J, the mean over sequences of −min(s_i Â_i, clip(s_i) Â_i) (+ β times the k3 of each token, averaged
+        over the sequence's tokens, with β > 0).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import register
-from posttrain.algorithms.grpo import GRPO, GRPOConfig, k3_coefficient
-from posttrain.algorithms.ppo import clipped_coefficient
+from posttrain.algorithms.common import clipped_coefficient, clipped_objective, k3_coefficient, k3_penalty
+from posttrain.algorithms.grpo import GRPO, GRPOConfig
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -97,3 +99,16 @@ class GSPO(GRPO):
             kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
             gc = gc + kl_gc
         return gc, metrics
+
+    @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: GSPOConfig) -> torch.Tensor:
+        """−min(s_i Â_i, clip(s_i) Â_i) on every token of o_i (its mean over the tokens is the sequence's term), plus
+        β·k3 per token."""
+        B, R = logp.shape
+        old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # [B, R]; at μ = 1 π_old is πθ
+        log_s = sequence_log_ratio(logp, old_logp, batch.mask)  # [B, 1] log s_i
+        value = -clipped_objective(batch.adv[:, None], log_s, torch.zeros_like(log_s), cfg.clip_eps,
+                                   cfg.clip_eps_high).expand(B, R)  # [B, R]
+        if cfg.beta > 0:
+            value = value + k3_penalty(batch.ref_logp, logp, cfg.beta)  # [B, R]
+        return value

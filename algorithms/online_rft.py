@@ -15,6 +15,8 @@ Deviations from the paper:
 
 Metrics:
     correct_frac: fraction of the step's samples with I(o) = 1 (the others do not move the policy).
+    objective: −J_OnRFT, the negative log-likelihood of the correct samples, −I(o)·log πθ per token under
+        `train.loss_agg` (incorrect samples count in the denominators with 0).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import Algorithm, register
-from posttrain.algorithms.rft import indicator_coefficient
+from posttrain.algorithms.common import indicator_coefficient
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class OnlineRFTConfig:
+class OnlineRFTConfig(Freezable):
     samples_per_prompt: int = 4
     """Samples of the current policy per prompt, each step."""
     threshold: float = 1.0
@@ -45,6 +48,7 @@ class OnlineRFTConfig:
 class OnlineRFT(Algorithm):
     Config = OnlineRFTConfig
     source = "online"
+    reward_threshold = "threshold"
 
     @staticmethod
     def needs(cfg: OnlineRFTConfig) -> frozenset[str]:
@@ -58,3 +62,8 @@ class OnlineRFT(Algorithm):
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: OnlineRFTConfig) -> tuple[torch.Tensor, dict]:
         gc = indicator_coefficient(batch, logp, cfg.threshold)  # [B, R]
         return gc, {"correct_frac": gc[:, 0].mean()}
+
+    @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: OnlineRFTConfig) -> torch.Tensor:
+        """−I(o)·log πθ per token: the negative log-likelihood of the correct samples (GC does not depend on θ)."""
+        return -OnlineRFT.coefficient(batch, logp, cfg)[0] * logp  # [B, R]

@@ -16,8 +16,8 @@ penalty to the reference model on every token:
 Gradient coefficient (unified view, Eq. 18): d/dlogπθ of the per-token term gives GC_t = A_t · ρ_t · 1[ρ on the
 unclipped side of the min], which with one update per batch (ρ = 1) is the paper's A_t; the KL is in the reward, not GC.
 
-Critic: V_ψ (the policy's architecture with a scalar head per position) minimises, under the engine's `token_mean`
-over response tokens, the clipped value loss L_V = 0.5·max((V_t − R_t)², (clip(V_t, V_old,t ± ε_v) − R_t)²).
+Critic: V_ψ (the policy's architecture with a scalar head per position) minimises, as a `token_mean` over response
+tokens (`critic_aggregation`), the clipped value loss L_V = 0.5·max((V_t − R_t)², (clip(V_t, V_old,t ± ε_v) − R_t)²).
 
 Deviations from the paper:
     1. The KL in the reward is the k1 estimate log π_old − log π_ref of the sampled token, fixed for the batch (as in
@@ -37,6 +37,8 @@ Metrics (means over response tokens unless said otherwise):
     clip_frac, ratio: fraction of tokens whose policy gradient the clip removed, and ρ.
     value_clip_frac, value_error: fraction of tokens whose value gradient the value clip removed, and |V − R|.
     explained_variance: 1 − Var(R − V) / Var(R) (1: perfect critic, ≤ 0: no better than a constant).
+    objective: −J, the mean of −min(ρA, clip(ρ, 1−ε, 1+ε)A) under `train.loss_agg` (at ρ = 1, −mean A: about 0
+        with whitened advantages). critic_loss: the value loss L_V under its `token_mean`.
 """
 
 from __future__ import annotations
@@ -47,13 +49,15 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import Algorithm, register
+from posttrain.algorithms.common import clipped_coefficient, clipped_objective, gae, kl_reward, whiten
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(Freezable):
     samples_per_prompt: int = 1
     """Completions sampled per prompt."""
     beta: float = 0.05
@@ -91,54 +95,17 @@ class PPOConfig:
                     raise ConfigError(f"{key}: must be {rule} (got {value})")
 
 
-def kl_reward(reward, old_logp, ref_logp, mask, beta: float) -> torch.Tensor:
-    """Per-token reward of Eq. 2 [B, R]: −β(old_logp − ref_logp) on response tokens, plus `reward` [B] at the last."""
-    token_reward = torch.zeros_like(old_logp) if ref_logp is None else -beta * (old_logp - ref_logp) * mask  # [B, R]
-    last = (mask.sum(-1).long() - 1).clamp(min=0)[:, None]  # [B, 1]; the mask is contiguous from column 0
-    final = (reward * mask.any(-1)).to(token_reward.dtype)[:, None]  # [B, 1]; empty rows get nothing
-    return token_reward.scatter_add(1, last, final)  # [B, R]
-
-
-def gae(token_reward, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (arXiv:1506.02438): one reverse pass over t, vectorised over the batch. r_t `token_reward`, V_t `values`
-    (the state before token t) and `mask` (contiguous from column 0; V after the last token is 0) are [B, R].
-    Returns ([B, R] advantages A_t, [B, R] returns A_t + V_t), both 0 outside the mask."""
-    B, R = values.shape
-    values = values * mask  # [B, R]; positions past the end have value 0
-    next_value = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # [B, R] V_{t+1}
-    delta = (token_reward + gamma * next_value - values) * mask  # [B, R]
-    adv, running = torch.zeros_like(delta), delta.new_zeros(B)  # [B, R], [B]
-    for t in reversed(range(R)):
-        running = delta[:, t] + gamma * lam * running * mask[:, t]  # [B]
-        adv[:, t] = running
-    return adv, (adv + values) * mask  # [B, R], [B, R]
-
-
-def clipped_coefficient(adv, logp, old_logp, mask, clip_eps: float, clip_eps_high: float | None):
-    """GC of min(ρA, clip(ρ, 1 − ε, 1 + ε_high)A): A·ρ where the min keeps the unclipped term, else 0 (ρ left the
-    trust region on the side that would raise the objective). `adv` is [B, R], or [B, 1] for GRPO; the rest [B, R].
-    Returns (gc [B, R], {"clip_frac", "ratio"})."""
-    ratio = torch.exp(logp - old_logp)  # [B, R]
-    high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)
-    unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)  # [B, R]
-    gc = adv * ratio * unclipped  # [B, R]
-    metrics = {"clip_frac": masked_mean((~unclipped & (adv != 0)).float(), mask), "ratio": masked_mean(ratio, mask)}
-    return gc, metrics
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x − mean) / std over the positions where `mask` is 1 (population std); [B, R] -> [B, R], 0 outside."""
-    mean = masked_mean(x, mask)  # []
-    var = masked_mean((x - mean) ** 2, mask)  # []
-    return (x - mean) * torch.rsqrt(var + eps) * mask  # [B, R]
-
-
 @register("ppo")
 class PPO(Algorithm):
     Config = PPOConfig
     source = "online"
     learned_reward = True
     kl_penalty = True
+
+    @classmethod
+    def sized_config(cls, kl_weight: float, group: int) -> PPOConfig:
+        """β is the KL weight; samples per prompt keep their default (`group` is GRPO's G)."""
+        return dataclasses.replace(cls.Config(), beta=kl_weight)
 
     @staticmethod
     def needs(cfg: PPOConfig) -> frozenset[str]:
@@ -179,8 +146,18 @@ class PPO(Algorithm):
         return clipped_coefficient(batch.adv, logp, batch.old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)
 
     @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: PPOConfig) -> torch.Tensor:
+        """−min(ρA, clip(ρ)A) per token, the negated term of Eq. 1 (the KL is in the reward, so in A)."""
+        return -clipped_objective(batch.adv, logp, batch.old_logp, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
+
+    @staticmethod
+    def critic_aggregation(cfg: PPOConfig) -> tuple[str, float]:
+        """Every response token's value error weighs the same (`token_mean`), whatever `train.loss_agg` says."""
+        return "token_mean", 1.0
+
+    @staticmethod
     def critic_loss(batch: Batch, values: torch.Tensor, cfg: PPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped value loss per token, with grad through `values` [B, R]; the engine takes its token_mean."""
+        """Clipped value loss per token, with grad through `values` [B, R], aggregated by `critic_aggregation`."""
         old, returns, mask = batch.extra["values"], batch.extra["returns"], batch.mask  # [B, R] each
         assert values.shape == old.shape == returns.shape == mask.shape, "PPO expects values, returns, mask [B, R]"
         loss = (values - returns) ** 2  # [B, R]

@@ -14,22 +14,24 @@ and maximise the PPO-clipped objective  J(θ) = E[ (1/|o|) Σ_t min(ρ_t Â_t, c
 Gradient coefficient: GC_t = Â_t · ρ_t · 1[ρ on the unclipped side of the min] (the KL is in the reward, as in PPO);
 with μ = 1 (ρ = 1) it is Â_t, REINFORCE with a normalised return. With `kl_in_reward=false` the reward has no KL
 term and GRPO's k3 penalty adds β(π_ref/πθ − 1) to GC. This is `GRPO.coefficient` itself, given the token-level
-Â (`kl_in_loss` says where the KL is): only the advantage (`prepare`) differs.
+Â (`kl_in_loss` says where the KL is): only the advantage (`prepare`, and its shape: `token_advantage`) differs.
 
 Deviations from the paper:
-    1. Â is normalised over the batch this process holds (`ppo.whiten`: population std, eps 1e-8 inside the square
+    1. Â is normalised over the batch this process holds (`common.whiten`: population std, eps 1e-8 inside the square
        root), not over the global batch of all data-parallel processes.
-    2. The KL in the reward is the k1 estimate under the sampling policy, a constant of the batch (`ppo.kl_reward`),
+    2. The KL in the reward is the k1 estimate under the sampling policy, a constant of the batch (`common.kl_reward`),
        so the old log-probs are scored even at μ = 1 (ρ = 1 there: same weights, same micro-batches).
     3. `baseline` (null: on when `group_size` > 1) subtracts the group's mean outcome reward before the returns
-       (`grpo.group_advantages` with `none`); a group of one (`group_size=1`, allowed here) has no baseline.
-    4. γ = 1 by default (`gamma`); returns are GAE with V = 0 and λ = 1 (`ppo.gae`). The 1/|o| average is the
+       (`common.group_advantages` with `none`); a group of one (`group_size=1`, allowed here) has no baseline.
+    4. γ = 1 by default (`gamma`); returns are GAE with V = 0 and λ = 1 (`common.gae`). The 1/|o| average is the
        engine's `train.loss_agg`. GRPO's group normalisation does not apply: `adv_norm` must be `none`.
 
 Metrics:
     reward_std, zero_std_frac: GRPO's, of the outcome reward (trivially 0 and 1 with groups of one).
     kl: masked mean of the per-token k1 in the reward, or of GRPO's k3 in the loss (`kl_in_reward=false`).
     clip_frac, ratio: fraction of response tokens whose gradient the clip removed, and the mean of ρ.
+    objective: −J, −min(ρ_t Â_t, clip(ρ_t) Â_t) per token under `train.loss_agg` (+ β·k3 per token with
+        `kl_in_reward=false`): GRPO's `objective` with the token-level Â.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from typing import ClassVar
 import torch
 
 from posttrain.algorithms.base import register
-from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_advantages
-from posttrain.algorithms.ppo import gae, kl_reward, whiten
+from posttrain.algorithms.common import gae, group_advantages, kl_reward, whiten
+from posttrain.algorithms.grpo import GRPO, GRPOConfig
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -97,3 +99,9 @@ class ReinforcePP(GRPO):
         if in_reward:
             metrics["kl"] = masked_mean(batch.old_logp - batch.ref_logp, mask)
         return dataclasses.replace(batch, adv=whiten(returns, mask)), metrics  # whole batch, before it is split
+
+    @staticmethod
+    def token_advantage(batch: Batch, logp: torch.Tensor) -> torch.Tensor:
+        """Â_t of every token, the normalised return `prepare` left: [B, R]."""
+        assert batch.adv.shape == batch.mask.shape == logp.shape, "REINFORCE++ expects adv and mask [B, R]"
+        return batch.adv  # [B, R]

@@ -20,6 +20,7 @@ Metrics:
     rft_samples: samples drawn from the starting model (k × prompts).
     rft_kept: of those, the correct ones RFT trains on.
     rft_prompts_with_correct: prompts with at least one correct sample.
+    objective: −J_RFT, the negative log-likelihood of the kept samples under `train.loss_agg`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import Algorithm, register
+from posttrain.algorithms.common import indicator_coefficient
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class RFTConfig:
+class RFTConfig(Freezable):
     samples_per_prompt: int = 8
     """k: samples of the starting model per prompt."""
     num_prompts: int = 512
@@ -46,14 +49,6 @@ class RFTConfig:
                 raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
 
 
-def indicator_coefficient(batch: Batch, logp: torch.Tensor, threshold: float) -> torch.Tensor:
-    """GC = I(o): 1 on every token of a sequence whose reward reaches `threshold`, else 0; [B, R]."""
-    B, R = logp.shape
-    assert batch.reward.shape == (B,), f"reward must be [B] = [{B}], got {tuple(batch.reward.shape)}"
-    correct = (batch.reward >= threshold).to(logp.dtype)  # [B]
-    return correct[:, None].expand(B, R)  # [B, R]
-
-
 @register("rft")
 class RFT(Algorithm):
     Config = RFTConfig
@@ -62,3 +57,8 @@ class RFT(Algorithm):
     @staticmethod
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: RFTConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return indicator_coefficient(batch, logp, 1.0), {}
+
+    @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: RFTConfig) -> torch.Tensor:
+        """−I(o)·log πθ per token: the negative log-likelihood of the kept samples (GC does not depend on θ)."""
+        return -RFT.coefficient(batch, logp, cfg)[0] * logp  # [B, R]

@@ -27,14 +27,16 @@ Deviations from the paper:
     2. The paper's ∇log πθ(o_i|q) is a sum over tokens: `train.loss_agg=seq_mean_token_sum_norm` with
        `train.loss_agg_norm=1` gives exactly its gradient; otherwise the engine's aggregation applies (as in TRL's
        and verl's RLOO): the default `seq_mean_token_mean` divides each sequence's term by |o_i|.
-    3. The token ratio is clipped as in PPO (`ppo.clipped_coefficient`), which only acts when μ > 1.
-    4. Groups of any size and order (`grpo.group_stats`); a group of one has Â = 0. Â is not normalised, so
+    3. The token ratio is clipped as in PPO (`common.clipped_coefficient`), which only acts when μ > 1.
+    4. Groups of any size and order (`common.group_stats`); a group of one has Â = 0. Â is not normalised, so
        `adv_norm` must be `none`.
 
 Metrics:
     reward_std, zero_std_frac: GRPO's, of the rule reward r_i.
     kl: mean over sequences of Σ_t (log π_old − log π_ref) (KL in the reward), or GRPO's per-token k3 (in the loss).
     clip_frac, ratio: fraction of response tokens whose gradient the clip removed, and the mean of ρ.
+    objective: −J, −min(ρ_{i,t} Â_i, clip(ρ_{i,t}) Â_i) per token under `train.loss_agg` (+ β·k3 per token with
+        `kl_in_reward=false`): GRPO's `objective`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import register
-from posttrain.algorithms.grpo import GRPO, GRPOConfig, group_stats
+from posttrain.algorithms.common import group_stats
+from posttrain.algorithms.grpo import GRPO, GRPOConfig
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
 

@@ -13,7 +13,9 @@ Deviations from the paper:
        (the default). `token_mean` weights every token equally, as most SFT trainers do.
     2. The EOS token closing each response is trained too, so the model learns to stop.
 
-Metrics: none of its own; the engine logs `loss` (mean negative log-likelihood under the chosen aggregation).
+Metrics:
+    objective: −J_SFT, the negative log-likelihood −log πθ per token under the chosen aggregation. As GC = 1, the
+        engine's `loss` has the same value.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import torch
 
 from posttrain.algorithms.base import Algorithm, register
 from posttrain.core.batch import Batch
+from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(Freezable):
     """SFT has no hyperparameters of its own: learning rate and batch sizes live in `train`."""
 
 
@@ -39,3 +42,7 @@ class SFT(Algorithm):
     @staticmethod
     def coefficient(batch: Batch, logp: torch.Tensor, cfg: SFTConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return torch.ones_like(logp), {}  # [B, R]
+
+    @staticmethod
+    def objective(batch: Batch, logp: torch.Tensor, cfg: SFTConfig) -> torch.Tensor:
+        return -logp  # [B, R] the negative log-likelihood

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
         "tests/test_gspo.py", "tests/test_rloo.py", "tests/test_reinforce_pp.py", "tests/test_aggregation.py",
-        "tests/test_scoring.py"]
+        "tests/test_scoring.py", "tests/test_objective.py"]
 ENGINE = "tests/test_engine.py::test_gradient_invariant_to_micro_batches"
 DIST = "tests/test_distributed.py"
 # Each guarded file's own tests first, so the test named as the killer is the nearest one.
@@ -37,6 +37,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/sft.py": ["tests/test_sft.py"], "algorithms/rft.py": ["tests/test_rft.py"],
          "algorithms/online_rft.py": ["tests/test_rft.py"], "algorithms/dpo.py": ["tests/test_dpo.py"],
          "algorithms/ppo.py": ["tests/test_ppo.py", "tests/test_grpo.py"], "algorithms/grpo.py": ["tests/test_grpo.py"],
+         "algorithms/common.py": ["tests/test_grpo.py", "tests/test_ppo.py", "tests/test_rft.py"],
          "algorithms/gspo.py": ["tests/test_gspo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
          "algorithms/reinforce_pp.py": ["tests/test_reinforce_pp.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
@@ -49,7 +50,11 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/backends/base.py": ["tests/test_precision.py"],
          "posttrain/backends/loss_scale.py": ["tests/test_precision.py"],
          "posttrain/core/precision.py": ["tests/test_precision.py"],
-         "posttrain/core/threads.py": ["tests/test_threads.py"]}
+         "posttrain/core/threads.py": ["tests/test_threads.py"],
+         "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
+         "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
+                                            "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
+                                            "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/online_rft.py", "algorithms/dpo.py", "algorithms/ppo.py",
                                      "algorithms/grpo.py")
 GSPO, RLOO, RPP = "algorithms/gspo.py", "algorithms/rloo.py", "algorithms/reinforce_pp.py"
+COMMON = "algorithms/common.py"  # helpers several methods share (group statistics, GAE, the clip, k3, RFT's indicator)
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
 TRAIN = "posttrain/train/engine.py"
@@ -79,6 +85,21 @@ GMLP, LORA = "posttrain/models/gated_mlp.py", "posttrain/models/lora.py"
 FSDP, ZERO = "posttrain/backends/fsdp.py", "posttrain/backends/zero.py"
 BASE, SCALE = "posttrain/backends/base.py", "posttrain/backends/loss_scale.py"
 PREC, THREADS = "posttrain/core/precision.py", "posttrain/core/threads.py"
+STAGES, CONTROL = "posttrain/stages/__init__.py", "posttrain/train/controllers.py"
+STAGE_LIST = ("[PassRateUpdates, OverlongPenalty, DynamicSampling, EliteReplay, StepRewards,\n"
+              "                             AdaptiveTemperature]")
+CONTROLLERS = ("draws", "pass_rates", "temperature", "elite", "beta", "early_stop")
+
+
+def stage_left_out(name: str) -> Mutant:
+    left = STAGE_LIST.replace(f"{name}, ", "").replace(f",\n                             {name}]", "]")
+    return m(f"stage-left-out-{name}", STAGES, "STAGES", f"the {name} stage is never built", STAGE_LIST, left)
+
+
+def controller_not_restored(name: str) -> Mutant:
+    return m(f"controller-not-restored-{name}", CONTROL, "Controllers.load_state_dict",
+             f"a resumed run starts its {name} controller afresh", "            c.load_state_dict(state[name])",
+             f"            if name != {name!r}:\n                c.load_state_dict(state[name])")
 
 MUTANTS = [
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
@@ -101,16 +122,16 @@ MUTANTS = [
     # algorithms/sft.py
     m("sft-gc-zero", SFT, "SFT.coefficient", "GC = 0 instead of 1", "torch.ones_like(logp)", "torch.zeros_like(logp)"),
     m("sft-gc-half", SFT, "SFT.coefficient", "GC = 0.5 instead of 1", "torch.ones_like(logp)", "0.5 * torch.ones_like(logp)"),
-    # algorithms/rft.py and online_rft.py
-    m("rft-threshold-gt", RFT, "indicator_coefficient", "reward >= threshold -> reward > threshold",
+    # algorithms/rft.py and online_rft.py (their indicator_coefficient in algorithms/common.py)
+    m("rft-threshold-gt", COMMON, "indicator_coefficient", "reward >= threshold -> reward > threshold",
       "batch.reward >= threshold", "batch.reward > threshold"),
-    m("rft-threshold-flip", RFT, "indicator_coefficient", "reward >= threshold -> reward <= threshold",
+    m("rft-threshold-flip", COMMON, "indicator_coefficient", "reward >= threshold -> reward <= threshold",
       "batch.reward >= threshold", "batch.reward <= threshold"),
     m("rft-threshold-half", RFT, "RFT.coefficient", "RFT's threshold 1.0 -> 0.5",
       "indicator_coefficient(batch, logp, 1.0)", "indicator_coefficient(batch, logp, 0.5)",
       equivalent="RFT's source keeps only correct samples and sets reward = 1 on every row "
                  "(posttrain/sources/samples.py), so any threshold in (0, 1] gives GC = 1"),
-    m("rft-gc-reward", RFT, "indicator_coefficient", "GC = the reward itself instead of I(reward >= threshold)",
+    m("rft-gc-reward", COMMON, "indicator_coefficient", "GC = the reward itself instead of I(reward >= threshold)",
       "correct = (batch.reward >= threshold).to(logp.dtype)", "correct = batch.reward.to(logp.dtype)"),
     m("orft-threshold-ignored", ORFT, "OnlineRFT.coefficient", "threshold fixed at 1.0 instead of cfg.threshold",
       "indicator_coefficient(batch, logp, cfg.threshold)", "indicator_coefficient(batch, logp, 1.0)"),
@@ -125,8 +146,8 @@ MUTANTS = [
       "gc = (2 * w"),
     m("dpo-sign-swap", DPO, "DPO.coefficient", "sign [+1, −1] -> [−1, +1]", "torch.tensor([1.0, -1.0]",
       "torch.tensor([-1.0, 1.0]"),
-    m("dpo-margin-swap", DPO, "DPO.coefficient", "z = β(ℓ⁻ − ℓ⁺)", "z = cfg.beta * (chosen - rejected)",
-      "z = cfg.beta * (rejected - chosen)"),
+    m("dpo-margin-swap", DPO, "margin", "z = β(ℓ⁻ − ℓ⁺)", "return cfg.beta * (chosen - rejected)",
+      "return cfg.beta * (rejected - chosen)"),
     m("dpo-sigmoid-z", DPO, "DPO.coefficient", "w = σ(z) instead of σ(−z)",
       "w = (1 - eps) * torch.sigmoid(-z)", "w = (1 - eps) * torch.sigmoid(z)"),
     m("dpo-smoothing-sign", DPO, "DPO.coefficient", "cDPO term − ε σ(z) -> + ε σ(z)", "- eps * torch.sigmoid(z)",
@@ -146,38 +167,36 @@ MUTANTS = [
     m("dpo-agg-swap", DPO, "DPO.aggregation", "sum and mean aggregations swapped",
       '("seq_mean_token_mean", 1.0) if cfg.length_normalize else ("seq_mean_token_sum_norm", 1.0)',
       '("seq_mean_token_sum_norm", 1.0) if cfg.length_normalize else ("seq_mean_token_mean", 1.0)'),
-    m("dpo-loss-metric", DPO, "DPO.coefficient", "dpo_loss metric with σ(−z) and σ(z) swapped",
-      "loss = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)",
-      "loss = -(1 - eps) * F.logsigmoid(-z) - eps * F.logsigmoid(z)"),
+    m("dpo-loss-metric", DPO, "pair_loss", "dpo_loss metric (and objective) with σ(−z) and σ(z) swapped",
+      "return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)",
+      "return -(1 - eps) * F.logsigmoid(-z) - eps * F.logsigmoid(z)"),
     m("dpo-accuracy-ge", DPO, "DPO.coefficient", "pair_accuracy counts z = 0 as correct", "(z > 0).to(", "(z >= 0).to(",
 ),
-    # algorithms/grpo.py
-    m("grpo-pop-std", GRPO, "group_stats", "population std instead of unbiased", "/ (size - 1).clamp(min=1)",
+    # algorithms/common.py: group_stats, group_median, group_advantages, k3_coefficient; algorithms/grpo.py
+    m("grpo-pop-std", COMMON, "group_stats", "population std instead of unbiased", "/ (size - 1).clamp(min=1)",
       "/ size"),
-    m("grpo-std-no-clamp", GRPO, "group_stats", "no clamp on size − 1 (a group of one divides by 0)",
+    m("grpo-std-no-clamp", COMMON, "group_stats", "no clamp on size − 1 (a group of one divides by 0)",
       "/ (size - 1).clamp(min=1)", "/ (size - 1)"),
-    m("grpo-mean-denominator", GRPO, "group_stats", "group mean divided by size − 1", "reward) / size  #",
+    m("grpo-mean-denominator", COMMON, "group_stats", "group mean divided by size − 1", "reward) / size  #",
       "reward) / (size - 1)  #"),
-    m("grpo-std-no-sqrt", GRPO, "group_stats", "variance used as the std", "var.sqrt()[idx]", "var[idx]"),
-    m("grpo-stats-global", GRPO, "group_stats", "mean over the whole batch instead of the group",
+    m("grpo-std-no-sqrt", COMMON, "group_stats", "variance used as the std", "var.sqrt()[idx]", "var[idx]"),
+    m("grpo-stats-global", COMMON, "group_stats", "mean over the whole batch instead of the group",
       "return mean[idx], var.sqrt()[idx]", "return reward.mean().expand_as(reward), var.sqrt()[idx]"),
-    m("grpo-no-eps", GRPO, "group_advantages", "eps dropped from the std", "/ (std + eps) if norm",
+    m("grpo-no-eps", COMMON, "group_advantages", "eps dropped from the std", "/ (std + eps) if norm",
       "/ std if norm"),
-    m("grpo-scale-flag", GRPO, "group_advantages", "adv_norm mean_std and none swapped", 'if norm == "mean_std" else',
+    m("grpo-scale-flag", COMMON, "group_advantages", "adv_norm mean_std and none swapped", 'if norm == "mean_std" else',
       'if norm != "mean_std" else'),
-    m("grpo-median-upper", GRPO, "group_median", "even group's median is the upper middle value, not the mean of two",
+    m("grpo-median-upper", COMMON, "group_median", "even group's median is the upper middle value, not the mean of two",
       "(size - 1) // 2] + ranked", "size // 2] + ranked"),
-    m("grpo-median-unsorted", GRPO, "group_median", "values not sorted within each group",
+    m("grpo-median-unsorted", COMMON, "group_median", "values not sorted within each group",
       "order = by_value[torch.argsort(idx[by_value], stable=True)]", "order = torch.argsort(idx, stable=True)"),
-    m("grpo-mad-no-const", GRPO, "group_advantages", "MAD not scaled by 1.4826",
+    m("grpo-mad-no-const", COMMON, "group_advantages", "MAD not scaled by 1.4826",
       "scale = MAD_TO_STD * group_median(dev, group)", "scale = group_median(dev, group)"),
-    m("grpo-mad-no-fallback", GRPO, "group_advantages", "MAD = 0 divides by eps (no mean-deviation scale)",
+    m("grpo-mad-no-fallback", COMMON, "group_advantages", "MAD = 0 divides by eps (no mean-deviation scale)",
       "scale = torch.where(scale > 0, scale, MEAN_AD_TO_STD * group_stats(dev, group)[0])", "scale = scale"),
-    m("grpo-mad-centre-mean", GRPO, "group_advantages", "median_mad centred on the mean",
+    m("grpo-mad-centre-mean", COMMON, "group_advantages", "median_mad centred on the mean",
       "return (reward - median) / (scale + eps)", "return (reward - group_stats(reward, group)[0]) / (scale + eps)"),
-    m("grpo-scale-std-ignored", GRPO, "GRPOConfig.__post_init__", "scale_std=false no longer means adv_norm=none",
-      'self.adv_norm = "mean_std" if self.scale_std else "none"', 'self.adv_norm = "mean_std"'),
-    m("grpo-no-centre", GRPO, "group_advantages", "mean not subtracted when scaling",
+    m("grpo-no-centre", COMMON, "group_advantages", "mean not subtracted when scaling",
       "(reward - mean) / (std + eps)", "reward / (std + eps)"),
     m("grpo-truncated-flip", GRPO, "GRPO.prepare", "mask_truncated keeps only the truncated completions",
       "(~batch.truncated)", "(batch.truncated)"),
@@ -185,17 +204,17 @@ MUTANTS = [
       "(std > 0)"),
     m("grpo-ignore-old", GRPO, "GRPO.coefficient", "ratio against logp itself even when old_logp is stored",
       "old_logp = batch.old_logp if batch.old_logp is not None else logp", "old_logp = logp"),
-    m("grpo-kl-inverted", GRPO, "k3_coefficient", "KL coefficient with πθ/π_ref instead of π_ref/πθ",
+    m("grpo-kl-inverted", COMMON, "k3_coefficient", "KL coefficient with πθ/π_ref instead of π_ref/πθ",
       "ref_ratio = torch.exp(batch.ref_logp - logp)", "ref_ratio = torch.exp(logp - batch.ref_logp)"),
-    m("grpo-kl-sign", GRPO, "k3_coefficient", "KL term added with the wrong sign",
+    m("grpo-kl-sign", COMMON, "k3_coefficient", "KL term added with the wrong sign",
       "return beta * (ref_ratio - 1), masked_mean", "return -beta * (ref_ratio - 1), masked_mean"),
-    m("grpo-kl-no-minus-1", GRPO, "k3_coefficient", "β π_ref/πθ without the − 1",
+    m("grpo-kl-no-minus-1", COMMON, "k3_coefficient", "β π_ref/πθ without the − 1",
       "return beta * (ref_ratio - 1), masked_mean", "return beta * ref_ratio, masked_mean"),
     m("grpo-beta-ge", GRPO, "GRPO.coefficient", "the KL branch also runs at β = 0",
       "        if cfg.beta > 0 and cfg.kl_in_loss:\n", "        if cfg.beta >= 0 and cfg.kl_in_loss:\n"),
-    m("grpo-kl-metric", GRPO, "k3_coefficient", "kl metric as k1 (−log ratio) instead of k3",
+    m("grpo-kl-metric", COMMON, "k3_coefficient", "kl metric as k1 (−log ratio) instead of k3",
       "masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)", "masked_mean(-torch.log(ref_ratio), batch.mask)"),
-    m("grpo-kl-metric-sign", GRPO, "k3_coefficient", "kl metric with + log instead of − log",
+    m("grpo-kl-metric-sign", COMMON, "k3_coefficient", "kl metric with + log instead of − log",
       "ref_ratio - torch.log(ref_ratio) - 1, batch.mask", "ref_ratio + torch.log(ref_ratio) - 1, batch.mask"),
     m("grpo-needs-ref", GRPO, "GRPO.needs", "reference asked for at β = 0", '({"ref_logp"} if cfg.beta > 0',
       '({"ref_logp"} if cfg.beta >= 0'),
@@ -207,7 +226,8 @@ MUTANTS = [
     m("gspo-padding", GSPO, "sequence_log_ratio", "padding tokens enter s_i",
       "((logp - old_logp) * mask).sum(-1, keepdim=True)", "(logp - old_logp).sum(-1, keepdim=True)"),
     m("gspo-token-ratio", GSPO, "GSPO.coefficient", "first token's ratio instead of the sequence's",
-      "log_s = sequence_log_ratio(logp, old_logp, batch.mask)  # [B, 1]", "log_s = (logp - old_logp)[:, :1]"),
+      "log_s = sequence_log_ratio(logp, old_logp, batch.mask)  # [B, 1]\n",
+      "log_s = (logp - old_logp)[:, :1]\n"),
     m("gspo-eps-swap", GSPO, "GSPO.coefficient", "ε_low and ε_high swapped",
       "cfg.clip_eps,\n                                          cfg.clip_eps_high)",
       "cfg.clip_eps_high,\n                                          cfg.clip_eps)"),
@@ -215,8 +235,8 @@ MUTANTS = [
       "old_logp = batch.old_logp if batch.old_logp is not None else logp", "old_logp = logp"),
     m("gspo-clip-frac-all", GSPO, "GSPO.coefficient", "clip_frac counts sequences with Â = 0",
       "((batch.adv != 0) & (batch.mask.sum(-1) > 0))", "(batch.mask.sum(-1) > 0)"),
-    m("gspo-no-kl", GSPO, "GSPO.coefficient", "k3 term dropped at β > 0", "        if cfg.beta > 0:\n",
-      "        if cfg.beta < 0:\n"),
+    m("gspo-no-kl", GSPO, "GSPO.coefficient", "k3 term dropped at β > 0", "        if cfg.beta > 0:\n            kl_gc",
+      "        if cfg.beta < 0:\n            kl_gc"),
     m("gspo-agg", GSPO, "GSPO.aggregation", "token_mean instead of the per-sequence mean",
       'return "seq_mean_token_mean", 1.0', 'return "token_mean", 1.0'),
     # algorithms/rloo.py
@@ -247,70 +267,70 @@ MUTANTS = [
       "mask = batch.mask  # [B, R]", "mask = batch.attention_mask[:, batch.prompt_len:]  # [B, R]"),
     m("rpp-min-group", RPP, "ReinforcePPConfig", "groups of one refused", "MIN_GROUP: ClassVar[int] = 1",
       "MIN_GROUP: ClassVar[int] = 2"),
-    # algorithms/ppo.py: clipped_coefficient (PPO and GRPO)
-    m("clip-swap-eps", PPO, "clipped_coefficient", "clip_eps and clip_eps_high swapped",
+    # algorithms/common.py: clipped_coefficient (PPO, GRPO and its family, GSPO)
+    m("clip-swap-eps", COMMON, "clipped_coefficient", "clip_eps and clip_eps_high swapped",
       "high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)\n"
       "    unclipped = torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)",
       "high = 1 + clip_eps\n    unclipped = torch.where(adv > 0, ratio <= high, "
       "ratio >= 1 - (clip_eps_high if clip_eps_high is not None else clip_eps))"),
-    m("clip-high-ignored", PPO, "clipped_coefficient", "clip_eps_high ignored",
+    m("clip-high-ignored", COMMON, "clipped_coefficient", "clip_eps_high ignored",
       "high = 1 + (clip_eps_high if clip_eps_high is not None else clip_eps)", "high = 1 + clip_eps"),
-    m("clip-inverted-ratio", PPO, "clipped_coefficient", "ρ = π_old/πθ", "ratio = torch.exp(logp - old_logp)",
+    m("clip-inverted-ratio", COMMON, "clipped_coefficient", "ρ = π_old/πθ", "ratio = torch.exp(logp - old_logp)",
       "ratio = torch.exp(old_logp - logp)"),
-    m("clip-no-ratio", PPO, "clipped_coefficient", "GC = A·1[unclipped] (ρ dropped)", "gc = adv * ratio * unclipped",
+    m("clip-no-ratio", COMMON, "clipped_coefficient", "GC = A·1[unclipped] (ρ dropped)", "gc = adv * ratio * unclipped",
       "gc = adv * unclipped"),
-    m("clip-no-clip", PPO, "clipped_coefficient", "no clip (every token unclipped)", "gc = adv * ratio * unclipped",
+    m("clip-no-clip", COMMON, "clipped_coefficient", "no clip (every token unclipped)", "gc = adv * ratio * unclipped",
       "gc = adv * ratio"),
-    m("clip-sides-swapped", PPO, "clipped_coefficient", "A > 0 checked against the lower bound and A < 0 the upper",
+    m("clip-sides-swapped", COMMON, "clipped_coefficient", "A > 0 checked against the lower bound and A < 0 the upper",
       "torch.where(adv > 0, ratio <= high, ratio >= 1 - clip_eps)",
       "torch.where(adv > 0, ratio >= 1 - clip_eps, ratio <= high)"),
-    m("clip-lower-plus", PPO, "clipped_coefficient", "lower bound 1 − ε -> 1 + ε", "ratio >= 1 - clip_eps)",
+    m("clip-lower-plus", COMMON, "clipped_coefficient", "lower bound 1 − ε -> 1 + ε", "ratio >= 1 - clip_eps)",
       "ratio >= 1 + clip_eps)"),
-    m("clip-le-lt", PPO, "clipped_coefficient", "ρ <= 1 + ε -> ρ < 1 + ε", "ratio <= high", "ratio < high",
+    m("clip-le-lt", COMMON, "clipped_coefficient", "ρ <= 1 + ε -> ρ < 1 + ε", "ratio <= high", "ratio < high",
       equivalent="the two differ only at ρ = 1 + ε exactly, the kink of min(ρA, clip(ρ)A), where either one-sided derivative "
                  "is a valid (sub)gradient"),
-    m("clip-adv-ge", PPO, "clipped_coefficient", "A > 0 -> A >= 0", "torch.where(adv > 0,", "torch.where(adv >= 0,",
+    m("clip-adv-ge", COMMON, "clipped_coefficient", "A > 0 -> A >= 0", "torch.where(adv > 0,", "torch.where(adv >= 0,",
       equivalent="the choice only matters where A = 0, and there GC = A·ρ·1[...] = 0 either way; clip_frac "
                  "excludes A = 0"),
-    m("clip-frac-zero-adv", PPO, "clipped_coefficient", "clip_frac counts tokens with A = 0",
+    m("clip-frac-zero-adv", COMMON, "clipped_coefficient", "clip_frac counts tokens with A = 0",
       "(~unclipped & (adv != 0)).float()", "(~unclipped).float()"),
-    # algorithms/ppo.py: kl_reward, gae, whiten, prepare, critic_loss
-    m("klr-sign", PPO, "kl_reward", "KL penalty added instead of subtracted", "-beta * (old_logp - ref_logp) * mask",
+    # algorithms/common.py: kl_reward, gae, whiten (PPO, REINFORCE++); algorithms/ppo.py: prepare, critic_loss
+    m("klr-sign", COMMON, "kl_reward", "KL penalty added instead of subtracted", "-beta * (old_logp - ref_logp) * mask",
       "beta * (old_logp - ref_logp) * mask"),
-    m("klr-no-mask", PPO, "kl_reward", "KL penalty on padding too", "-beta * (old_logp - ref_logp) * mask",
+    m("klr-no-mask", COMMON, "kl_reward", "KL penalty on padding too", "-beta * (old_logp - ref_logp) * mask",
       "-beta * (old_logp - ref_logp)"),
-    m("klr-last-off-by-one", PPO, "kl_reward", "sequence reward one token after the last",
+    m("klr-last-off-by-one", COMMON, "kl_reward", "sequence reward one token after the last",
       "last = (mask.sum(-1).long() - 1).clamp(min=0)", "last = mask.sum(-1).long().clamp(max=mask.shape[1] - 1)"),
-    m("klr-first-token", PPO, "kl_reward", "sequence reward on the first token", "token_reward.scatter_add(1, last,",
+    m("klr-first-token", COMMON, "kl_reward", "sequence reward on the first token", "token_reward.scatter_add(1, last,",
       "token_reward.scatter_add(1, last * 0,"),
-    m("klr-sum-dim", PPO, "kl_reward", "length summed over dim +1 instead of −1", "(mask.sum(-1).long() - 1)",
+    m("klr-sum-dim", COMMON, "kl_reward", "length summed over dim +1 instead of −1", "(mask.sum(-1).long() - 1)",
       "(mask.sum(+1).long() - 1)", equivalent="the mask is [B, R], where dim 1 and dim −1 are the same axis"),
-    m("klr-empty-row", PPO, "kl_reward", "empty rows get their reward too", "(reward * mask.any(-1))", "(reward * 1.0)"),
-    m("gae-forward-loop", PPO, "gae", "loop runs forward in t", "for t in reversed(range(R)):", "for t in range(R):"),
-    m("gae-no-lambda", PPO, "gae", "γλ -> γ in the recursion", "gamma * lam * running", "gamma * running"),
-    m("gae-no-gamma-next", PPO, "gae", "γ dropped from δ", "token_reward + gamma * next_value - values",
+    m("klr-empty-row", COMMON, "kl_reward", "empty rows get their reward too", "(reward * mask.any(-1))", "(reward * 1.0)"),
+    m("gae-forward-loop", COMMON, "gae", "loop runs forward in t", "for t in reversed(range(R)):", "for t in range(R):"),
+    m("gae-no-lambda", COMMON, "gae", "γλ -> γ in the recursion", "gamma * lam * running", "gamma * running"),
+    m("gae-no-gamma-next", COMMON, "gae", "γ dropped from δ", "token_reward + gamma * next_value - values",
       "token_reward + next_value - values"),
-    m("gae-next-value-same", PPO, "gae", "V_{t+1} taken as V_t", "next_value = torch.cat([values[:, 1:], "
+    m("gae-next-value-same", COMMON, "gae", "V_{t+1} taken as V_t", "next_value = torch.cat([values[:, 1:], "
       "values.new_zeros(B, 1)], dim=1)", "next_value = values"),
-    m("gae-values-unmasked", PPO, "gae", "values past the end not zeroed", "values = values * mask  #",
+    m("gae-values-unmasked", COMMON, "gae", "values past the end not zeroed", "values = values * mask  #",
       "values = values  #"),
-    m("gae-delta-unmasked", PPO, "gae", "δ not masked", "delta = (token_reward + gamma * next_value - values) * mask",
+    m("gae-delta-unmasked", COMMON, "gae", "δ not masked", "delta = (token_reward + gamma * next_value - values) * mask",
       "delta = token_reward + gamma * next_value - values"),
-    m("gae-running-unmasked", PPO, "gae", "the recursion not masked",
+    m("gae-running-unmasked", COMMON, "gae", "the recursion not masked",
       "running = delta[:, t] + gamma * lam * running * mask[:, t]", "running = delta[:, t] + gamma * lam * running",
       equivalent="the mask is contiguous from column 0 and δ is already 0 past the end, so the running sum is still "
                  "0 when the reverse loop reaches the last real token"),
-    m("gae-returns-unmasked", PPO, "gae", "returns not masked", "return adv, (adv + values) * mask",
+    m("gae-returns-unmasked", COMMON, "gae", "returns not masked", "return adv, (adv + values) * mask",
       "return adv, adv + values",
       equivalent="both terms are already 0 outside the mask (values are masked, and A is 0 past the end as above)"),
-    m("gae-returns-no-values", PPO, "gae", "returns = A instead of A + V", "return adv, (adv + values) * mask",
+    m("gae-returns-no-values", COMMON, "gae", "returns = A instead of A + V", "return adv, (adv + values) * mask",
       "return adv, adv * mask"),
-    m("whiten-unbiased", PPO, "whiten", "unbiased variance instead of population",
+    m("whiten-unbiased", COMMON, "whiten", "unbiased variance instead of population",
       "var = masked_mean((x - mean) ** 2, mask)", "var = ((x - mean) ** 2 * mask).sum() / (mask.sum() - 1)"),
-    m("whiten-no-eps", PPO, "whiten", "eps dropped", "torch.rsqrt(var + eps)", "torch.rsqrt(var)"),
-    m("whiten-no-mask", PPO, "whiten", "padding not zeroed", "torch.rsqrt(var + eps) * mask", "torch.rsqrt(var + eps)"),
-    m("whiten-no-centre", PPO, "whiten", "mean not subtracted", "return (x - mean) * torch.rsqrt", "return x * torch.rsqrt"),
-    m("whiten-unmasked-mean", PPO, "whiten", "mean over padding too", "mean = masked_mean(x, mask)  #",
+    m("whiten-no-eps", COMMON, "whiten", "eps dropped", "torch.rsqrt(var + eps)", "torch.rsqrt(var)"),
+    m("whiten-no-mask", COMMON, "whiten", "padding not zeroed", "torch.rsqrt(var + eps) * mask", "torch.rsqrt(var + eps)"),
+    m("whiten-no-centre", COMMON, "whiten", "mean not subtracted", "return (x - mean) * torch.rsqrt", "return x * torch.rsqrt"),
+    m("whiten-unmasked-mean", COMMON, "whiten", "mean over padding too", "mean = masked_mean(x, mask)  #",
       "mean = x.mean()  #"),
     m("ppo-whiten-flag", PPO, "PPO.prepare", "whiten_advantages inverted", "if cfg.whiten_advantages:",
       "if not cfg.whiten_advantages:"),
@@ -492,6 +512,19 @@ MUTANTS = [
       "int(real[P:].nonzero().max()) + 1", "int(real[P:].nonzero().max())"),
     m("trim-per-token-kept", BATCH, "Batch.trimmed", "per-token tensors not cut",
       "return t[:, :keep_r] if t.dim() >= 2 and t.shape[1] == R else t", "return t"),
+    # posttrain/stages: the online source's pipeline; posttrain/train/controllers.py: the run's changing state
+    *[stage_left_out(name) for name in ("PassRateUpdates", "OverlongPenalty", "DynamicSampling", "EliteReplay",
+                                        "StepRewards", "AdaptiveTemperature")],
+    m("stage-pass-rates-after-filter", STAGES, "STAGES", "pass rates learn from the kept groups only", STAGE_LIST,
+      STAGE_LIST.replace("PassRateUpdates, OverlongPenalty, DynamicSampling,",
+                         "OverlongPenalty, DynamicSampling, PassRateUpdates,")),
+    *[controller_not_restored(name) for name in CONTROLLERS],
+    m("beta-not-applied", CONTROL, "Controllers.algorithm", "the scheduled β never reaches the plugin",
+      "return algorithm if self.beta is None else self.beta.apply(algorithm)", "return algorithm"),
+    # algorithms: the logged objective (tests/test_objective.py)
+    m("objective-kl-dropped", GRPO, "GRPO.objective", "the KL term left out of the logged objective",
+      "            value = value + k3_penalty(batch.ref_logp, logp, cfg.beta)  # [B, R]",
+      "            value = value  # [B, R]"),
 
 ]
 

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import freeze
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
     TRACKERS,
     DataConfig,
@@ -106,8 +107,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return float(value) if tp is float else value
 
 
-# Keys that moved: a config that still uses one is told where it went.
-MOVED = {"model.dtype": "train.precision (fp32, bf16-mixed or bf16)"}
+# Keys that are gone, each with what replaces it: a config that still gives one is told what to write instead.
+REMOVED = {
+    "model.dtype": "train.precision=fp32, bf16-mixed or bf16",
+    "algorithm.scale_std": "algorithm.adv_norm=none (for scale_std=false) or adv_norm=mean_std (for true, the default)",
+}
 
 
 def _join(prefix: str, key: str) -> str:
@@ -124,8 +128,8 @@ def build(cls: type, values: Any, prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
-        if _join(prefix, key) in MOVED:
-            raise ConfigError(f"{_join(prefix, key)}: replaced by {MOVED[_join(prefix, key)]}")
+        if _join(prefix, key) in REMOVED:
+            raise ConfigError(f"{_join(prefix, key)}: removed; use {REMOVED[_join(prefix, key)]}")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {_join(prefix, near[0])}?" if near else f"; known: {', '.join(names) or 'none'}"
@@ -140,7 +144,8 @@ def build(cls: type, values: Any, prefix: str) -> Any:
 
 
 def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
-    """The validated config of `recipe` with `overrides`, and the resolved tree as plain data (for config.yaml)."""
+    """The validated config of `recipe` with `overrides`, read-only (`posttrain.core.frozen`), and the resolved tree
+    as plain data (for config.yaml)."""
     path = recipe_path(recipe)
     try:
         base = OmegaConf.load(path)
@@ -165,24 +170,17 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     cfg = build(RunConfig, tree_wo_algo, "")
     cfg.rewards = rewards_config(tree.get("rewards"))
     check_trackers(cfg)
-    if cfg.rewards.overlong_buffer > cfg.rollout.max_new_tokens:
-        raise ConfigError(f"rewards.overlong_buffer: {cfg.rewards.overlong_buffer} is more than the budget it is the "
-                          f"end of (rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
     if "name" not in algo_tree:
         raise ConfigError("algorithm.name: missing; the recipe must name a method, e.g. algorithm.name=grpo")
-    from posttrain import algorithms  # the plugins, and torch: once the other groups are valid, a bad key answers fast
+    from posttrain import algorithms, stages  # the plugins, and torch: once the other groups are valid, a bad key
+    from posttrain.data import curriculum, difficulty  # answers fast
 
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
-    check_step_rewards(cfg, plugin)
-    if cfg.rewards.overlong_buffer and plugin.source != "online":
-        raise ConfigError(f"rewards.overlong_buffer: the overlong punishment shapes the rewards of samples drawn as "
-                          f"the run trains; {plugin.name} trains on no such samples")
     check_normalize(cfg, plugin)
-    if cfg.rollout.dynamic_sampling and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
-        raise ConfigError(f"rollout.dynamic_sampling: keeps the groups of samples whose rewards differ; {plugin.name} "
-                          f"with these settings samples no groups (one completion per prompt, or none)")
-    check_adaptive_sampling(cfg, plugin)
+    curriculum.check(cfg, plugin)
+    difficulty.check(cfg, plugin)  # per-difficulty group sizes
+    stages.check(cfg, plugin)  # each stage of the online source refuses what it cannot serve
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
                           f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")
@@ -196,78 +194,29 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     backends.get(cfg.train.backend).check(cfg.train)  # unknown backend, unsupported offload, missing library
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
-    return cfg, resolved
+    return freeze(cfg), resolved  # read-only from here: what changes in a run lives in its controllers
 
 
 def check_normalize(cfg: RunConfig, plugin) -> None:
     """rewards.normalize makes each reward a weighted sum of z-scores: for online methods that train on the reward's
-    spread, not those that compare it with a threshold (Online RFT) or train on step rewards (GRPO+PS), and with
-    `group` only where there are groups."""
+    spread, not those that compare it with a threshold (`Algorithm.reward_threshold`, Online RFT) or train on step
+    rewards (GRPO+PS), and with `group` only where there are groups."""
     norm = cfg.rewards.normalize
     if norm == "none":
         return
     if plugin.source != "online":
         raise ConfigError(f"rewards.normalize: normalises the rewards of samples drawn as the run trains; "
                           f"{plugin.name} trains on no such samples")
-    if hasattr(cfg.algorithm, "threshold"):
+    if plugin.reward_threshold is not None:
         raise ConfigError(f"rewards.normalize: {plugin.name} keeps the samples whose reward reaches "
-                          f"algorithm.threshold, and a z-score has no such scale; use rewards.normalize=none")
+                          f"algorithm.{plugin.reward_threshold}, and a z-score has no such scale; use "
+                          "rewards.normalize=none")
     if "step_reward" in plugin.needs(cfg.algorithm):
         raise ConfigError(f"rewards.normalize: {plugin.name} trains on step rewards (rewards.process), which it "
                           "normalises itself; the outcome reward it would change is only logged")
     if norm == "group" and plugin.samples_per_prompt(cfg.algorithm) < 2:
         raise ConfigError(f"rewards.normalize: group z-scores over a prompt's samples, and {plugin.name} with these "
                           "settings draws one per prompt (every reward would be 0); use rewards.normalize=batch")
-
-
-def check_adaptive_sampling(cfg: RunConfig, plugin) -> None:
-    """The elite pool, the adaptive temperature and per-difficulty group sizes shape the sampling of online methods;
-    the pool and the group sizes need groups, the sizes their bounds around algorithm.group_size (the budget's
-    mean) and fixed budgets per round."""
-    r = cfg.rollout
-    if cfg.data.curriculum != "none" and plugin.source not in ("online", "offline"):
-        raise ConfigError(f"data.curriculum: orders the rows drawn each step; {plugin.name} samples its training set "
-                          "once, before the run")
-    if cfg.data.curriculum == "pass_rate" and plugin.source != "online":
-        raise ConfigError(f"data.curriculum: pass_rate weighs prompts by how often the policy solves them, judged on "
-                          f"samples drawn as the run trains; {plugin.name} draws none (curriculum=field works)")
-    if r.elite_pool and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
-        raise ConfigError(f"rollout.elite_pool: replays a prompt's best sample in place of the worst of its group; "
-                          f"{plugin.name} with these settings samples no groups (one completion per prompt, or none)")
-    if r.elite_pool and cfg.rewards.normalize != "none":
-        raise ConfigError(f"rollout.elite_pool: compares rewards across steps, and rewards.normalize="
-                          f"{cfg.rewards.normalize} makes each reward relative to its own step's samples; choose one")
-    if r.adaptive_temperature and plugin.source != "online":
-        raise ConfigError(f"rollout.adaptive_temperature: sets the temperature of samples drawn as the run trains; "
-                          f"{plugin.name} trains on no such samples")
-    if r.adaptive_temperature and not r.min_temperature <= r.temperature <= r.max_temperature:
-        raise ConfigError(f"rollout.temperature: {r.temperature} is the adaptive temperature's start and must lie in "
-                          f"[rollout.min_temperature, rollout.max_temperature] = [{r.min_temperature}, "
-                          f"{r.max_temperature}]")
-    if not r.adaptive_group_size:
-        return
-    n = plugin.samples_per_prompt(cfg.algorithm) if plugin.source == "online" else 0
-    if n < 2:
-        raise ConfigError(f"rollout.adaptive_group_size: sets each prompt's group size; {plugin.name} with these "
-                          "settings samples no groups")
-    if not r.min_group_size <= n <= r.max_group_size:
-        raise ConfigError(f"rollout.adaptive_group_size: algorithm.group_size={n} is the mean group size and must lie "
-                          f"in [rollout.min_group_size, rollout.max_group_size] = [{r.min_group_size}, "
-                          f"{r.max_group_size}]")
-    if r.dynamic_sampling:
-        raise ConfigError("rollout.adaptive_group_size: not with rollout.dynamic_sampling (groups of unequal size "
-                          "would give each process a different number of rows); choose one")
-
-
-def check_step_rewards(cfg: RunConfig, plugin) -> None:
-    """A method that trains on step rewards needs a source of them (`rewards.process`), and a process reward model
-    needs its directory."""
-    process = cfg.rewards.process
-    if "step_reward" in plugin.needs(cfg.algorithm) and process == "none":
-        raise ConfigError(f"rewards.process: {plugin.name} trains on step rewards; set rewards.process=steps (the "
-                          "embedded task's rule) or model (a process reward model at reward_model.process_path)")
-    if process == "model" and not cfg.reward_model.process_path:
-        raise ConfigError("reward_model.process_path: rewards.process=model needs a process reward model directory")
 
 
 def check_trackers(cfg: RunConfig) -> None:
@@ -327,14 +276,11 @@ def settle_precision(cfg: RunConfig) -> tuple[RunConfig, Choice]:
     from posttrain.core import precision
 
     choice = precision.resolve(cfg.train.precision, run_device(), backends.get(cfg.train.backend).precisions)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=choice.precision)), choice
+    return freeze(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=choice.precision))), choice
 
 
 def algorithm_of(cfg: RunConfig) -> type[algorithms.Algorithm]:
-    """The plugin whose Config `cfg.algorithm` is."""
+    """The plugin whose Config `cfg.algorithm` is: one dictionary look-up (`posttrain.algorithms.plugin_of`)."""
     from posttrain import algorithms
 
-    for plugin in algorithms.REGISTRY.values():
-        if type(cfg.algorithm) is plugin.Config:
-            return plugin
-    raise ValueError(f"no plugin has config type {type(cfg.algorithm).__name__}")
+    return algorithms.plugin_of(cfg.algorithm)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from posttrain import rewards
-from posttrain.algorithms.grpo import group_stats
+from posttrain.algorithms.common import group_stats
 from posttrain.data import prompt_texts
 from posttrain.rewards import custom
 from posttrain.rewards.accuracy import final_answers, verdicts

@@ -15,11 +15,12 @@ from typing import Any
 
 from posttrain.core.aggregation import MODES
 from posttrain.core.errors import ConfigError
+from posttrain.core.frozen import Freezable
 from posttrain.core.schedules import BETA_SCHEDULES, SCHEDULES
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Freezable):
     r: int = 0
     """LoRA rank (Hu et al. 2021, via peft); 0 trains every weight. With r > 0 only the adapters (and a critic's value
     head) are trained, and the reference is the policy with its adapter switched off: no second model is loaded."""
@@ -45,7 +46,7 @@ class LoraConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     path: str | None = None
     """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
     ref_path: str | None = None
@@ -63,7 +64,7 @@ def check_precision(value: str) -> None:
 
 
 @dataclass
-class WarmupConfig:
+class WarmupConfig(Freezable):
     steps: int = 250
     """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy."""
     batch_size: int = 64
@@ -102,7 +103,7 @@ CURRICULA = ("none", "field", "pass_rate")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     preset: str | None = None
     """Layout of the rows and how answers are checked: gsm8k (question, answer ending `#### N`), math (problem,
     solution with a `\\boxed{}` answer, checked with math-verify) or embedded (the built-in task, no path); null:
@@ -188,7 +189,7 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Freezable):
     engine: str = "hf"
     """Sampling engine (`posttrain.rollout`): hf (the trainer's own model, a KV-cache decode loop) or vllm (a vLLM
     engine in the training process, weights pushed to it after every update; `pip install "posttrain[vllm]"`)."""
@@ -280,7 +281,7 @@ OFFLOADS = ("none", "optimizer", "params")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     steps: int = 100
     """Optimizer steps (× the algorithm's epochs per batch)."""
     batch_size: int = 16
@@ -385,7 +386,7 @@ STOP_ON = ("none", "accuracy", "kl")  # eval.stop_on: what early stopping watche
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Freezable):
     num_problems: int = 200
     """Held-out problems scored by greedy decoding before and after training; 0 skips evaluation."""
     every: int = 0
@@ -426,7 +427,7 @@ class EvalConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Freezable):
     path: str | None = None
     """Local sequence-classification model directory whose score is added to the rule rewards; null: none."""
     weight: float = 1.0
@@ -441,7 +442,7 @@ REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which sampl
 
 
 @dataclass
-class RewardsConfig:
+class RewardsConfig(Freezable):
     """The `rewards` group. A recipe writes it flat: registered rewards by name with their weights, beside the
     reserved keys, e.g. `{accuracy: 1.0, format: 0.1, custom: {my_rewards.py:brevity: 0.5}, timeout_s: 10}`."""
 
@@ -489,7 +490,7 @@ TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb",),
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     description: str = ""
     """One line saying what the recipe does (shown by `posttrain recipes`)."""
     output_dir: str = "runs/run"

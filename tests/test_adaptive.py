@@ -7,8 +7,8 @@ import signal
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import EASY
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain.core.schedules import TEMPERATURE_GAIN, adapted_temperature
 from posttrain.core.threads import usable_cores

@@ -2,7 +2,7 @@
 
 import pytest
 
-from posttrain.algorithms import REGISTRY, Algorithm, get, register
+from posttrain.algorithms import REGISTRY, Algorithm, get, plugin_of, register
 from posttrain.core.errors import ConfigError
 
 
@@ -18,6 +18,18 @@ def test_defaults_are_one_update_per_batch():
     assert Algorithm.prepare(batch, None) == (batch, {})
     with pytest.raises(NotImplementedError):
         Algorithm.coefficient(batch, None, None)
+    with pytest.raises(NotImplementedError):
+        Algorithm.objective(batch, None, None)
+    assert Algorithm.reward_threshold is None
+
+
+def test_a_config_names_its_method():
+    """`plugin_of` is one look-up from a config's class to its plugin, so no Config class may serve two methods."""
+    for name in REGISTRY:
+        assert plugin_of(get(name).Config()) is get(name)
+    with pytest.raises(ValueError, match="its Config GRPOConfig is 'grpo'"):
+        register("grpo_again")(type("GRPOAgain", (Algorithm,), {"Config": get("grpo").Config}))
+    assert "grpo_again" not in REGISTRY
 
 
 def test_builtins_registered_in_table_order():

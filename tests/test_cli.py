@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import FIXTURES
 from rich.console import Console
 from transformers import AutoModelForCausalLM
@@ -15,19 +16,6 @@ from posttrain.train.tracking import Progress
 
 FAST = ["eval.num_problems=6", "eval.batch_size=6", "train.batch_size=2", "algorithm.group_size=2",
         "rollout.max_new_tokens=6", "data.train_size=100", "data.test_size=20"]
-
-
-def posttrain(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "posttrain", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "COLUMNS": "120"})
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("posttrain: error: "), proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_recipes_and_help():
@@ -142,6 +130,7 @@ def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):
     (["recipe=grpo_math", "-q", "algorithm.bta=1"], ["did you mean algorithm.beta?"]),  # overrides after a flag too
     (["recipe=grpo_math", "train.steps=x"], ["train.steps: expected int"]),
     (["recipe=grpo_math", "algorithm.group_size=1"], ["algorithm.group_size"]),
+    (["recipe=grpo_math", "algorithm.scale_std=false"], ["algorithm.scale_std: removed; use algorithm.adv_norm=none"]),
     (["recipe=grpo_math", "data.path=missing.jsonl"], ["data.path: no such file or directory 'missing.jsonl'"]),
     (["recipe=grpo_math", "model.path=nowhere"], ["model.path: 'nowhere' is not a Hugging Face model directory"]),
     ([], ["recipe"]),

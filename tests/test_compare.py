@@ -4,10 +4,11 @@ end-to-end comparison of GRPO and PPO, one-line errors, and the estimator agains
 import json
 
 import pytest
-from test_cli import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain
 
 from posttrain import config
 from posttrain.apps import compare
+from posttrain.apps.compare import reporting
 from posttrain.apps.estimate import model_spec, state_bytes
 from posttrain.core.errors import ConfigError, UserError
 
@@ -69,8 +70,8 @@ def test_numbers_of_a_run():
     assert run["estimated_roles_bytes"] is None  # the model directory is gone
     acc = [(p["step"], p["wall_seconds"], p["eval_accuracy"]) for p in run["curve"] if "eval_accuracy" in p]
     assert acc == [(0, 0.0, 0.25), (2, 11, 0.5), (3, 18, 0.75)]  # the final evaluation lands on the last step
-    assert compare._curve_cells(run) == {0: "0.250 at 0.0 s", 2: "0.500 at 11.0 s, reward 0.300",
-                                         3: "0.750 at 18.0 s, reward 0.600"}
+    assert reporting._curve_cells(run) == {0: "0.250 at 0.0 s", 2: "0.500 at 11.0 s, reward 0.300",
+                                           3: "0.750 at 18.0 s, reward 0.600"}
 
 
 def test_report_for_any_number_of_recipes(tmp_path):
@@ -87,11 +88,27 @@ def test_report_for_any_number_of_recipes(tmp_path):
     assert memory["critic weights"] == ["–", "–", "3.00"] and memory["CUDA max allocated, update phase"][2] == "123"
     assert memory["process reward model weights"] == ["–", "1.00", "–"]
     p = compare.Plan({n: n for n in runs}, list(runs), tmp_path, ["train.steps=3"], 3, 2)
-    compare.report(runs, p)
+    compare.report(compare.Results(p, {n: [r] for n, r in runs.items()}))
     written = json.loads((tmp_path / "compare.json").read_text())
-    assert written["runs"]["c"]["throughput"]["trained_tokens_per_s"] == 62.5
+    assert written["runs"]["c"]["throughput"]["trained_tokens_per_s"] == 62.5 and "seed_runs" not in written
     assert "| held-out accuracy after | 0.750 | 0.750 | 0.750 |" in (tmp_path / "compare.md").read_text()
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+def test_the_comparison_returns_the_results_it_writes(tmp_path, monkeypatch):
+    """`run_comparison` hands back as data what compare.json holds (`posttrain reproduce` builds on it): here with
+    the runs and their reading replaced, two seeds of two recipes."""
+    per_seed = {"grpo_math": [fake_run(), fake_run()], "ppo_math": [fake_run(), fake_run()]}
+    per_seed["ppo_math"][1]["accuracy_after"] = 0.5
+    ran = []
+    monkeypatch.setattr(compare, "run_all", ran.append)
+    monkeypatch.setattr(compare, "read", lambda p: compare.Results(p, per_seed))
+    results = compare.run_comparison(["grpo_math", "ppo_math", "seeds=2", "steps=3", f"output_dir={tmp_path}"])
+    assert ran == [results.plan] and results.plan.seed_list == [0, 1] and results.seed_runs is per_seed
+    assert results.runs["ppo_math"]["accuracy_after"].values == (0.75, 0.5)
+    written = json.loads((tmp_path / "compare.json").read_text())
+    assert written == json.loads(json.dumps(results.as_json(), default=lambda x: x.as_json()))
+    assert written["seed_runs"]["ppo_math"][1]["accuracy_after"] == 0.5 and written["settings"]["steps"] == 3
 
 
 def test_compare_grpo_and_ppo(tiny_model_dir, tmp_path):
@@ -194,7 +211,7 @@ def test_report_over_seeds_says_which_differences_exceed_the_spread(tmp_path):
     per_seed = {"a": seeds(0.50, 0.52, 0.54), "b": seeds(0.70, 0.72, 0.74), "c": seeds(0.45, 0.55, 0.65)}
     runs = {name: over_seeds(each) for name, each in per_seed.items()}
     p = compare.Plan({n: n for n in runs}, list(runs), tmp_path, ["train.steps=3"], 3, 2, seed_list=[0, 1, 2])
-    compare.report(runs, p, per_seed)
+    compare.report(compare.Results(p, per_seed))
     md = (tmp_path / "compare.md").read_text()
     assert "| held-out accuracy after | 0.520 ± 0.020 | 0.720 ± 0.020 | 0.550 ± 0.100 |" in md
     assert "| held-out accuracy after | a | b | +0.200 | 0.040 | yes |" in md  # bars 0.50–0.54 and 0.70–0.74

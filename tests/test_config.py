@@ -65,15 +65,25 @@ def test_missing_recipe_file():
         config.load("nowhere/recipe.yaml")
 
 
-def test_precision_values_and_the_moved_dtype_key():
-    """train.precision takes auto (every recipe's default), fp32, bf16-mixed, fp16-mixed or bf16; the old model.dtype
-    names the key that replaced it."""
+def test_precision_values():
+    """train.precision takes auto (every recipe's default), fp32, bf16-mixed, fp16-mixed or bf16."""
     assert config.load("grpo_math")[0].train.precision == "auto"
     assert config.load("grpo_math", ["train.precision=bf16-mixed"])[0].train.precision == "bf16-mixed"
     with pytest.raises(ConfigError, match=r"^train.precision: must be one of auto, fp32, bf16-mixed, fp16-mixed, bf16"):
         config.load("grpo_math", ["train.precision=fp16"])
-    with pytest.raises(ConfigError, match=r"^model.dtype: replaced by train.precision"):
-        config.load("grpo_math", ["model.dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dtype=bfloat16", "model.dtype: removed; use train.precision=fp32, bf16-mixed or bf16"),
+    ("algorithm.scale_std=false", "algorithm.scale_std: removed; use algorithm.adv_norm=none (for scale_std=false) or "
+                                  "adv_norm=mean_std (for true, the default)"),
+])
+def test_a_removed_key_names_what_replaces_it(override, message):
+    """A key gone before 1.0 is refused, in one line saying what to write instead; never an unknown key, and never
+    read as its replacement."""
+    with pytest.raises(ConfigError) as err:
+        config.load("grpo_math", [override])
+    assert str(err.value) == message
 
 
 def test_a_deepspeed_backend_without_deepspeed_is_refused_when_the_config_loads(monkeypatch):
@@ -86,3 +96,19 @@ def test_a_deepspeed_backend_without_deepspeed_is_refused_when_the_config_loads(
     with pytest.raises(ConfigError, match=r"^train.precision: zero2 keeps fp32 master weights"):
         monkeypatch.undo()
         config.load("grpo_math", ["train.backend=zero2", "train.precision=bf16"])
+
+
+def test_the_validated_config_is_read_only():
+    """What changes in a run lives in its controllers: a loaded config refuses writes, in every group and in the
+    plugin's own; a changed copy is dataclasses.replace, which leaves the original as it was."""
+    import dataclasses
+
+    cfg, _ = config.load("grpo_math", [])
+    with pytest.raises(dataclasses.FrozenInstanceError, match="GRPOConfig.beta: the validated config is read-only"):
+        cfg.algorithm.beta = 0.1
+    for group, key in ((cfg, "seed"), (cfg.train, "lr"), (cfg.rollout, "temperature"), (cfg.model.lora, "r"),
+                       (cfg.rewards, "overlong_buffer")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(group, key, getattr(group, key))
+    changed = dataclasses.replace(cfg.algorithm, beta=0.1)
+    assert changed.beta == 0.1 and cfg.algorithm.beta == 0.04

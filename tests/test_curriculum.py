@@ -1,7 +1,6 @@
 """Curriculum draws: the competence schedule over a difficulty field, prioritised draws by pass rate, resume, config."""
 
 import copy
-import math
 import random
 from collections import Counter
 
@@ -169,11 +168,23 @@ def test_row_sampler_at_is_a_no_op():
     assert a.next(25) == b.next(25)
 
 
-def test_config_keys():
-    cfg, _ = config.load("grpo_math", ["data.curriculum=field", "data.difficulty_field=level"])
-    assert cfg.data.curriculum == "field" and cfg.data.curriculum_steps is None
-    assert cfg.data.curriculum_start == 0.2 and cfg.data.curriculum_floor == 0.05
-    assert math.isclose(config.load("grpo_math", ["data.curriculum=pass_rate"])[0].data.curriculum_floor, 0.05)
+def test_the_keys_reach_the_curriculum_a_run_draws_from():
+    """The run's draws (controllers.build_controllers) are a Curriculum with the keys' c0 and floor, and
+    T = data.curriculum_steps, or half of train.steps when that is null (T = 40 // 2 = 20); without a curriculum, plain
+    epochs. The pass-rate curriculum reads the run's pass rates."""
+    from posttrain.train.controllers import build_controllers
+
+    def draws(*overrides):
+        cfg, _ = config.load("grpo_math", ["train.steps=40", *overrides])
+        return build_controllers(cfg, _rows(), 0, 1, pad_id=0)
+
+    assert type(draws().draws) is RowSampler
+    field = draws("data.curriculum=field", "data.difficulty_field=level", "data.curriculum_start=0.3").draws
+    assert (field.mode, field.start, field.ramp_steps) == ("field", 0.3, 20)
+    assert draws("data.curriculum=field", "data.difficulty_field=level", "data.curriculum_steps=7").draws.ramp_steps == 7
+    made = draws("data.curriculum=pass_rate", "data.curriculum_floor=0.1")
+    assert (made.draws.mode, made.draws.floor, made.draws.ramp_steps) == ("pass_rate", 0.1, 20)
+    assert made.pass_rates is not None and made.draws.pass_rate == made.pass_rates.get
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -10,7 +10,7 @@ from posttrain.backends.ddp import DDP
 from posttrain.core.aggregation import MODES, Totals
 from posttrain.core.threads import usable_cores
 from posttrain.sources import run_splits
-from posttrain.train import Engine, run
+from posttrain.train import build, run
 
 
 def make_cfg(model_dir, tmp_path, *overrides):
@@ -22,7 +22,7 @@ def make_cfg(model_dir, tmp_path, *overrides):
 
 
 def make_engine(cfg, model_dir):
-    return Engine(cfg, model_dir, DDP(), run_splits(cfg))
+    return build(cfg, model_dir, DDP(), run_splits(cfg))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -100,10 +100,9 @@ def test_each_step_hands_the_new_weights_to_the_rollout_engine(tiny_model_dir, t
     assert handed == []
     engine.rollout.colocated = False  # as an engine with its own copy
     torch.manual_seed(0)
-    metrics = engine.step()
+    engine.step()
     assert len(handed) == 1 and handed[0].keys() == before.keys()
     assert any(not torch.equal(handed[0][n], before[n]) for n in before)  # the updated weights, not the old ones
-    assert metrics["time/weight_sync"] >= 0
 
 
 def test_micro_batches_group_similar_lengths_and_cover_every_row(tiny_model_dir, tmp_path):

@@ -15,10 +15,12 @@ from posttrain.apps.estimate import (
     PRESETS,
     ModelSpec,
     activation_bytes,
+    backend_classes,
     estimate,
     kv_cache_bytes,
     main,
     model_spec,
+    offloads,
     render,
     state_bytes,
 )
@@ -94,6 +96,45 @@ def test_offload_reports_cpu_bytes():
     assert r["policy gradients"].gpu_bytes == 14e9 / 8
     with pytest.raises(UserError, match="offload=all"):
         estimate(B7, "sft", zero=2, offload="all")
+    # params, as a run's train.offload says; all, the estimator's first name for it, stays accepted
+    assert rows(estimate(B7, "dpo", gpus=8, zero=3, offload="params")) == r
+    with pytest.raises(UserError, match="^offload=params: parameter offload needs zero=3"):
+        estimate(B7, "sft", zero=2, offload="params")
+
+
+def test_backends_and_offloads_are_the_backends_own(monkeypatch):
+    """The estimator knows backends and offloads only by what each backend declares: the offloads are those a run
+    accepts (`train.offload`), each backend's ZeRO stage, fp32 master copy and offloads are its own, and a backend
+    registered later is estimated by its declarations (this one shards as ZeRO-2, offloads only the optimizer and
+    keeps an fp32 master copy: 7e9 fp32 weights are 28 GB, their gradients and master copy 28 GB / 8 each)."""
+    from posttrain.backends import BACKENDS, Backend
+    from posttrain.schema import OFFLOADS
+
+    assert backend_classes() == dict(BACKENDS) and list(BACKENDS) == ["ddp", "fsdp2", "zero2", "zero3"]
+    assert offloads() == OFFLOADS == ("none", "optimizer", "params")
+    assert set(offloads()) == {o for cls in BACKENDS.values() for o in cls.offloads}
+    for name, cls in BACKENDS.items():
+        est = estimate(B7, "sft", gpus=8, dtype="fp32", backend=name)
+        assert est.settings["zero"] == cls.zero_stage, name
+        assert (gpu(est)["policy fp32 master weights"] > 0) == cls.fp32_master, name
+        for offload in offloads():
+            if offload in cls.offloads:
+                estimate(B7, "sft", gpus=8, backend=name, offload=offload)
+            else:
+                with pytest.raises(UserError, match=f"^offload={offload}: backend={name} supports"):
+                    estimate(B7, "sft", gpus=8, backend=name, offload=offload)
+
+    class Toy(Backend):
+        zero_stage, offloads, fp32_master = 2, ("none", "optimizer"), True
+
+    monkeypatch.setitem(BACKENDS, "toy", Toy)
+    toy = gpu(estimate(B7, "sft", gpus=8, dtype="fp32", backend="toy"))
+    assert toy["policy parameters"] == 28e9 and toy["policy gradients"] == toy["policy fp32 master weights"] == 28e9 / 8
+    assert rows(estimate(B7, "sft", gpus=8, backend="toy", offload="optimizer"))["policy AdamW moments"].gpu_bytes == 0
+    with pytest.raises(UserError, match="^offload=params: backend=toy supports none or optimizer"):
+        estimate(B7, "sft", gpus=8, backend="toy", offload="params")
+    with pytest.raises(UserError, match="^backend=tpu: must be ddp or fsdp2 or zero2 or zero3 or toy"):
+        main(["model=qwen2.5-7b", "backend=tpu"])
 
 
 def _tiny_llama_config(**kw):
@@ -197,6 +238,9 @@ def test_main_prints_and_returns_zero(capsys):
     assert main(["model=qwen2.5-0.5b", "gpus=2", "zero=2", "method=sft,grpo", "grad_ckpt=false"]) == 0
     out = capsys.readouterr().out
     assert "\nSFT\n" in out and "\nGRPO\n" in out and "\nDPO\n" not in out and "qwen2.5-0.5b" in out
+    for offload in ("params", "all"):  # a run's name for parameter offload, and the estimator's first
+        assert main(["model=qwen2.5-7b", "gpus=8", "backend=zero3", f"offload={offload}", "method=sft"]) == 0
+        assert f"ZeRO-3 (train.backend=zero3), offload={offload}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -208,6 +252,9 @@ def test_main_prints_and_returns_zero(capsys):
     (["model=qwen2.5-7b", "grad_ckpt=maybe"], "^grad_ckpt=maybe"),
     (["model=qwen2.5-7b", "method=rlhf"], "^method=rlhf"),
     (["model=qwen2.5-7b", "offload=optimizer"], "^offload=optimizer: needs zero"),
+    (["model=qwen2.5-7b", "offload=disk"], "^offload=disk: must be none/optimizer/params"),
+    (["model=qwen2.5-7b", "backend=fsdp2", "offload=optimizer"], "^offload=optimizer: backend=fsdp2 supports none or "
+                                                                  "params"),
     (["model=qwen2.5-7b", "rollout=sglang"], "^rollout=sglang: must be hf or vllm"),
     (["model=qwen2.5-7b", "rollout=vllm", "gpu_memory_utilization=1.5"], "^gpu_memory_utilization=1.5: must be in"),
     (["gpus=8"], "^model: missing"),
@@ -248,6 +295,10 @@ def test_a_registered_method_appears_by_its_own_declarations(monkeypatch):
 
     class Toy(algorithms.Algorithm):
         name, Config, source = "toy", ToyConfig, "online"
+
+        @classmethod
+        def sized_config(cls, kl_weight, group):
+            return ToyConfig(group_size=group)
 
         @staticmethod
         def needs(cfg):

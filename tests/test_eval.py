@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from test_cli import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain
 
 from posttrain.rewards.accuracy import extract_answer
 from posttrain.train.evaluation import majority, majority_right, pass_at_k

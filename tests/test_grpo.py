@@ -8,7 +8,8 @@ import torch
 from helpers import objective_grad, surrogate_grad, weighted_grpo_objective, written_out_mean
 
 from posttrain.algorithms import get
-from posttrain.algorithms.grpo import GRPOConfig, group_advantages, group_median, group_stats
+from posttrain.algorithms.common import group_advantages, group_median, group_stats
+from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.core.aggregation import MODES, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -65,23 +66,6 @@ def test_median_mad_advantages_hand_worked():
     torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kwargs, adv_norm", [({}, "mean_std"), ({"scale_std": False}, "none"),
-                                              ({"scale_std": True}, "mean_std"),
-                                              ({"scale_std": False, "adv_norm": "none"}, "none"),
-                                              ({"adv_norm": "median_mad"}, "median_mad")])
-def test_scale_std_is_an_alias_of_adv_norm(kwargs, adv_norm):
-    """The deprecated `scale_std` still works: false is adv_norm=none, true adv_norm=mean_std."""
-    assert GRPOConfig(**kwargs).adv_norm == adv_norm
-
-
-@pytest.mark.parametrize("kwargs", [{"scale_std": False, "adv_norm": "median_mad"},
-                                    {"scale_std": True, "adv_norm": "none"},
-                                    {"scale_std": True, "adv_norm": "median_mad"}])
-def test_scale_std_contradicting_adv_norm(kwargs):
-    with pytest.raises(ConfigError, match="scale_std=.* and adv_norm=.* disagree"):
-        GRPOConfig(**kwargs)
-
-
 def test_prepare_metrics_hand_worked():
     """The rewards of the hand-worked case: group 0 has std 0.57735 (4 samples), group 1 std 0 (2 samples).
     reward_std is the mean over samples, (4·0.57735 + 2·0)/6 = 0.38490; zero_std_frac = 2/6."""
@@ -131,7 +115,7 @@ def paper_objective(batch, cfg, mode, norm):
 @pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1-ratio1", "ratio-off-1"])
 @pytest.mark.parametrize("cfg", [GRPOConfig(group_size=3, beta=0.04), GRPOConfig(group_size=3, beta=0.0),
                                  GRPOConfig(group_size=3, beta=0.1, clip_eps=0.1, clip_eps_high=0.3),
-                                 GRPOConfig(group_size=3, beta=0.02, scale_std=False),
+                                 GRPOConfig(group_size=3, beta=0.02, adv_norm="none"),
                                  GRPOConfig(group_size=3, beta=0.02, adv_norm="median_mad")],
                          ids=["default", "beta0", "clip-higher", "dr-grpo", "median-mad"])
 def test_gradient_matches_objective(mode, spread, cfg):
@@ -204,8 +188,6 @@ def test_out_of_range(kwargs, key):
 def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
     """rollout.tis_cap: the engine's GC (Engine.coefficient) against autograd on Eq. 3 + Eq. 4 with each token's
     term weighted by the constant min(π_trainer / π_rollout, C), π_trainer taken under the sampling weights."""
-    from types import SimpleNamespace
-
     from posttrain.train.engine import Engine
 
     cfg, cap, norm = GRPOConfig(group_size=3, beta=0.04), 1.5, 4.0
@@ -215,7 +197,7 @@ def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
     batch.rollout_logp = (at_sampling + 0.5 * torch.randn(logp.shape, generator=g)) * batch.mask  # another engine
     prepared, _ = GRPO.prepare(batch, cfg)
     engine = Engine.__new__(Engine)  # only what Engine.coefficient reads
-    engine.plugin, engine.cfg, engine.tis_cap, engine.mismatch = GRPO, SimpleNamespace(algorithm=cfg), cap, torch.zeros(3)
+    engine.plugin, engine.algorithm, engine.tis_cap, engine.mismatch = GRPO, cfg, cap, torch.zeros(3)
 
     x = logp.clone().requires_grad_(True)
     gc, metrics = engine.coefficient(prepared, x.detach())

@@ -6,7 +6,7 @@ Marked slow (about 4–5 minutes on 2 CPU cores): `python -m pytest -m slow`.
 import json
 
 import pytest
-from test_cli import posttrain
+from cli_helpers import posttrain
 
 
 @pytest.mark.slow

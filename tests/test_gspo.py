@@ -9,7 +9,8 @@ from helpers import objective_grad, surrogate_grad, written_out_mean
 
 from posttrain import config
 from posttrain.algorithms import get
-from posttrain.algorithms.grpo import GRPOConfig, group_advantages
+from posttrain.algorithms.common import group_advantages
+from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.algorithms.gspo import GSPOConfig
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError

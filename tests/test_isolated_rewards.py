@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_cli import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain
 
 from posttrain import config, rewards
 from posttrain.core.errors import ConfigError, DataError, UserError

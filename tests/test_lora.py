@@ -15,7 +15,7 @@ from posttrain.core.aggregation import Totals
 from posttrain.models import lora
 from posttrain.models.scoring import token_logprobs
 from posttrain.sources import run_splits
-from posttrain.train import Engine, run
+from posttrain.train import build, run
 
 SMALL = ["train.precision=fp32", "train.batch_size=2", "algorithm.group_size=4", "data.train_size=50",
          "data.test_size=5"]
@@ -23,7 +23,7 @@ SMALL = ["train.precision=fp32", "train.batch_size=2", "algorithm.group_size=4",
 
 def engine(model_dir, tmp_path, *extra, recipe="grpo_math"):
     cfg, _ = config.load(recipe, [f"model.path={model_dir}", f"output_dir={tmp_path}", *SMALL, *extra])
-    return Engine(cfg, model_dir, DDP(), run_splits(cfg))
+    return build(cfg, model_dir, DDP(), run_splits(cfg))
 
 
 def adapted_layers(model):

@@ -174,7 +174,7 @@ def test_grpo_run_on_math_rows(warm_model_dir, tmp_path):
     under it) and records the math format; which checker scores is tested at the judge, just above."""
     import json
 
-    from test_cli import posttrain
+    from cli_helpers import posttrain
 
     rows = [{"problem": f"What is {a} plus {b}?", "solution": f"We add: ${a}+{b}={a + b}$, so $\\boxed{{{a + b}}}$."}
             for a in range(6) for b in range(4)]

@@ -188,7 +188,7 @@ def grpo_run(family, tmp_path_factory):
     differ and the advantages are not zero. Returns what the tests look at; the model is saved as a run saves it."""
     from posttrain import backends, config
     from posttrain.sources import run_splits
-    from posttrain.train import Engine
+    from posttrain.train import build
     from posttrain.train.checkpoint import save_model
 
     name, path = family
@@ -200,7 +200,7 @@ def grpo_run(family, tmp_path_factory):
         "rollout.max_new_tokens=8", "eval.num_problems=2", "eval.batch_size=2", f"reward_model.path={path}"])
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
     torch.manual_seed(0)
-    engine = Engine(cfg, path, backend, run_splits(cfg))
+    engine = build(cfg, path, backend, run_splits(cfg))
     policy = backend.generation_model(engine.policy)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     metrics = engine.step()

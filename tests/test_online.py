@@ -1,208 +1,97 @@
-"""The online source's DAPO options. Dynamic sampling (rollout.dynamic_sampling): which groups a step keeps, how many
-rounds it samples, what fills the batch when the rounds run out, and that the concatenated batch holds each kept
-sample's tokens intact. The soft overlong punishment (rewards.overlong_buffer): Eq. 13 by hand, and on the rewards."""
-
-import json
+"""The online source (sources/online.py): a round is a rollout record, and the pipeline of stages (posttrain.stages)
+runs the stages the config switches on, in order, each round through the stages before the one that asks for it."""
 
 import pytest
 import torch
-from conftest import EASY
-from test_cli import posttrain
+from fake_online import Rollout, deps, fake_ids
 
-from posttrain.core.batch import Batch, collate, concat
-from posttrain.rewards.overlong import overlong_penalty
+from posttrain.core.schedules import SamplingTemperature
+from posttrain.data.difficulty import AdaptiveGroups, PassRates
 from posttrain.schema import RewardsConfig, RolloutConfig
-from posttrain.sources import online
 from posttrain.sources.online import Online
-
-PAD = 0
-# A prompt's kind decides its samples' rewards: "mixed" alternates 1, 0, ... (the group differs), "solved" all 1,
-# "failed" all 0 (the group is equal). Its id is in its prompt tokens and its samples' responses, of varied length.
-REWARDS = {"mixed": lambda j: float(j % 2 == 0), "solved": lambda j: 1.0, "failed": lambda j: 0.0}
-
-
-class Queue:
-    """A row sampler that hands out rows in a fixed order."""
-
-    def __init__(self, rows):
-        self.rows = list(rows)
-
-    def next(self, k):
-        out, self.rows = self.rows[:k], self.rows[k:]
-        return out
-
-
-class Rollout:
-    def generate(self, prompts, n, **_):
-        """Prompt i (tokens [id] * (id % 3 + 1)) gets n samples [id, j + 1, ...] of length j + 1."""
-        responses = [[p[0]] + [j + 1] * j for p in prompts for j in range(n)]
-        batch = collate([p for p in prompts for _ in range(n)], responses, PAD)
-        batch.group = torch.arange(len(prompts)).repeat_interleave(n)
-        batch.truncated = torch.zeros(len(batch), dtype=torch.bool)
-        batch.rollout_logp = -batch.mask * 0.5
-        return batch
-
-
-class Judge:
-    def score(self, rows, completions, group=None):
-        n = len(rows) // len({r["id"] for r in rows})
-        total = [REWARDS[r["kind"]](i % n) for i, r in enumerate(rows)]
-        return torch.tensor(total), {"reward": sum(total) / len(total), "reward/errors": 1.0}
+from posttrain.stages import STAGES, Judged, Pipeline, Stage
+from posttrain.stages.elite import ElitePool
 
 
 @pytest.fixture(autouse=True)
 def no_tokenizer(monkeypatch):
-    monkeypatch.setattr(online, "prompt_ids", lambda tok, rows, data: [[r["id"]] * (r["id"] % 3 + 1) for r in rows])
-    monkeypatch.setattr(online, "completion_texts", lambda tok, batch: [""] * len(batch))
-
-
-class Tokenizer:
-    pad_token_id = PAD
-
-
-def source(kinds, batch_size=3, n=2, rounds=4, agree=None):
-    rows = [{"id": i + 1, "kind": k} for i, k in enumerate(kinds)]
-    sampling = RolloutConfig(dynamic_sampling=True, max_sampling_rounds=rounds)
-    return Online(Queue(rows), Tokenizer(), None, batch_size, Rollout(), sampling, Judge(), n, agree)
-
-
-def prompt_of(batch, i):
-    return batch.input_ids[i, : batch.prompt_len][batch.attention_mask[i, : batch.prompt_len].bool()].tolist()
-
-
-def response_of(batch, i):
-    return batch.response_ids[i][batch.mask[i].bool()].tolist()
-
-
-def test_keeps_the_first_batch_size_groups_that_differ():
-    """Round 1: mixed(1) solved(2) mixed(3), two groups that differ; round 2: failed(4) mixed(5) mixed(6) brings a
-    third, so it stops. Kept, in order: prompts 1, 3, 5; dropped: 2, 4 (equal) and 6 (beyond batch_size)."""
-    batch, stats = source(["mixed", "solved", "mixed", "failed", "mixed", "mixed", "mixed"]).next()
-    assert stats["sampling_rounds"] == 2 and stats["dropped_groups"] == 3 and stats["filled_groups"] == 0
-    assert batch.group.tolist() == [0, 0, 1, 1, 2, 2]
-    assert [prompt_of(batch, i) for i in range(6)] == [[1, 1], [1, 1], [3], [3], [5, 5, 5], [5, 5, 5]]
-    assert [response_of(batch, i) for i in range(6)] == [[1], [1, 2], [3], [3, 2], [5], [5, 2]]
-    assert batch.reward.tolist() == [1.0, 0.0] * 3
-    assert batch.rollout_logp.sum() == -0.5 * batch.mask.sum()  # per-token tensors moved with their tokens
-    # the reward figures are over all 12 completions sampled (6 of them reward 1), the failures counted per round
-    assert stats["reward"] == pytest.approx(0.5) and stats["reward/errors"] == 2.0
-    assert stats["generated_tokens"] == 2 * 9
-
-
-def test_when_the_rounds_run_out_equal_groups_fill_the_batch():
-    """Two rounds of 3 prompts with one that differs: it comes first, then the first two equal groups."""
-    batch, stats = source(["solved", "mixed", "failed", "solved", "solved", "failed"], rounds=2).next()
-    assert stats["sampling_rounds"] == 2 and stats["filled_groups"] == 2 and stats["dropped_groups"] == 3
-    assert [prompt_of(batch, i)[0] for i in range(0, 6, 2)] == [2, 1, 3]
-    assert len(batch) == 6 and batch.group.tolist() == [0, 0, 1, 1, 2, 2]
-
-
-def test_a_round_is_sampled_until_every_process_has_enough():
-    """Where weights are sharded every process samples as many rounds: `agree` is false while another process lacks
-    groups, so this one samples a second round though its first had enough, and keeps its first round's groups."""
-    calls = []
-
-    def agree(flag):
-        calls.append(flag)
-        return flag and len(calls) > 1
-
-    batch, stats = source(["mixed"] * 6, agree=agree).next()
-    assert calls == [True, True] and stats["sampling_rounds"] == 2 and stats["dropped_groups"] == 3
-    assert [prompt_of(batch, i)[0] for i in range(0, 6, 2)] == [1, 2, 3]
+    fake_ids(monkeypatch)
 
 
 def test_off_takes_one_round_as_it_comes():
-    s = source(["solved", "failed", "mixed"])
-    s.sampling = RolloutConfig()
-    batch, stats = s.next()
-    assert len(batch) == 6 and "sampling_rounds" not in stats and batch.group.tolist() == [0, 0, 1, 1, 2, 2]
+    source = Online(deps(["solved", "failed", "mixed"]))
+    batch, stats = source.next()
+    assert source.pipeline.stages == []  # no key on, no stage
+    assert len(batch) == 6 and batch.group.tolist() == [0, 0, 1, 1, 2, 2] and "sampling_rounds" not in stats
+    assert batch.reward.tolist() == [1, 1, 0, 0, 1, 0] and stats["response_len"] == 1.5
 
 
-def test_concat_pads_prompts_left_and_responses_right():
-    a = collate([[5, 6, 7]], [[8]], PAD)
-    b = collate([[9]], [[1, 2, 3]], PAD)
-    a.rollout_logp, b.rollout_logp = torch.tensor([[-1.0]]), torch.tensor([[-2.0, -3.0, -4.0]])
-    a.reward, b.reward = torch.tensor([1.0]), torch.tensor([0.0])
-    c = concat([a, b], PAD)
-    assert c.prompt_len == 3 and c.input_ids.tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 1, 2, 3]]
-    assert c.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
-    assert c.mask.tolist() == [[1, 0, 0], [1, 1, 1]] and c.rollout_logp.tolist() == [[-1, 0, 0], [-2, -3, -4]]
-    assert c.reward.tolist() == [1.0, 0.0]
-    with pytest.raises(ValueError, match="reward is set in some batches only"):
-        concat([a, Batch(input_ids=b.input_ids, attention_mask=b.attention_mask, mask=b.mask, prompt_len=1)], PAD)
+def test_a_round_is_a_rollout_record():
+    """The ids as sampled, the sampler's log-probs, the policy version of the weights that sampled each row, and the
+    temperature the controller gave, at which the rollout engine was called."""
+    rollout = Rollout()
+    rollout.version = 7
+    source = Online(deps(["mixed", "solved"], batch_size=2, rollout=rollout,
+                         temperature=SamplingTemperature(0.8)))
+    batch, _ = source.next()
+    assert batch.version.tolist() == [7] * 4 and batch.temperature == 0.8 and rollout.temperatures == [0.8]
+    assert batch.rollout_logp.sum() == -0.5 * batch.mask.sum() and batch.model_tokens is None
 
 
-def test_a_grpo_run_with_dynamic_sampling(tiny_model_dir, tmp_path):
-    """On the command line: every step logs its rounds, and GRPO's zero_std_frac is the filled groups' share."""
-    out = tmp_path / "dapo"
-    proc = posttrain("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", f"output_dir={out}", "train.steps=2",
-                     "train.batch_size=2", "algorithm.group_size=3", "rollout.max_new_tokens=4", "eval.num_problems=0",
-                     "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2", *EASY, "-q")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        assert 1 <= m["sampling_rounds"] <= 2
-        assert m["zero_std_frac"] == pytest.approx(m["filled_groups"] / 2)
+class Tag(Stage):
+    """A toy stage: appends its name to every round it sees; `rounds` > 1 asks for that many rounds in all."""
+
+    def __init__(self, name, seen, rounds=1):
+        self.name, self.seen, self.rounds = name, seen, rounds
+
+    def __call__(self, judged, more):
+        self.seen.append(self.name)
+        for _ in range(self.rounds - 1):
+            more()
+        return judged.replace(metrics={**judged.metrics, self.name: 1.0})
 
 
-def test_overlong_penalty_hand_worked():
-    """Budget 10, buffer 4: the punishment starts after 6 tokens; 7 tokens lose 1/4, 9 lose 3/4, 10 (ended on its
-    last token) lose all; a truncated completion loses all whatever its length."""
-    lengths = torch.tensor([3, 6, 7, 9, 10, 10])
-    truncated = torch.tensor([False, False, False, False, False, True])
-    got = overlong_penalty(lengths, truncated, budget=10, buffer=4)
-    assert got.tolist() == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+def test_more_passes_a_round_through_the_stages_before_the_asking_one():
+    """Stage b asks for two more rounds: each goes through a only; c sees the one batch b returns."""
+    seen, draws = [], []
+
+    def draw():
+        draws.append(1)
+        return Judged(batch=None, rows=[], texts=[], outcome=torch.zeros(0))
+
+    out = Pipeline(draw, [Tag("a", seen), Tag("b", seen, rounds=3), Tag("c", seen)])()
+    assert seen == ["a", "b", "a", "a", "c"] and len(draws) == 3 and set(out.metrics) == {"a", "b", "c"}
 
 
-def test_overlong_penalty_is_added_to_the_rewards():
-    """Responses of 1 and 2 tokens (the fake rollout's) in a budget of 2 with a buffer of 2: the punishment starts
-    at 0 tokens, so 1 token loses half the weight 0.4 and 2 tokens all of it: rewards 1 − 0.2 and 0 − 0.4."""
-    s = source(["mixed"])
-    s.batch_size, s.sampling = 1, RolloutConfig(max_new_tokens=2)
-    s.rewards = RewardsConfig(overlong_buffer=2, overlong_penalty=0.4)
-    batch, stats = s.next()
-    assert batch.reward.tolist() == pytest.approx([0.8, -0.4])
-    assert stats["reward/overlong"] == pytest.approx(-0.3) and stats["reward"] == pytest.approx(0.2)
+def test_every_stage_on_takes_effect(monkeypatch):
+    """All six stages switched on through Deps, over two passes of the same prompts: each leaves its mark, so leaving
+    one out of `STAGES` fails here."""
+    from posttrain.stages import step_rewards
+
+    monkeypatch.setattr(step_rewards, "step_tensors", lambda tok, batch, texts, steps: (
+        torch.ones(batch.mask.shape), batch.mask.clone()))
+    sampling = RolloutConfig(max_new_tokens=2, dynamic_sampling=True, max_sampling_rounds=2,
+                             adaptive_temperature=True, elite_pool=4)
+    rates, pool = PassRates("question"), ElitePool(4, 0)
+    temperature = SamplingTemperature(1.0, target=1.0, low=0.5, high=2.0)  # samples of entropy 0.5: τ rises
+    kinds = ["mixed", "solved", "failed", "mixed"] * 4
+    source = Online(deps(kinds, batch_size=2, sampling=sampling, rewards=RewardsConfig(overlong_buffer=2),
+                         needs=frozenset({"step_reward"}), pass_rates=rates, temperature=temperature, elite=pool))
+    assert [type(s) for s in source.pipeline.stages] == STAGES
+    batch, stats = source.next()
+    assert stats["sampling_rounds"] == 2  # dynamic sampling: the first round held one group that differs
+    assert rates.rates and "pass_rate" in stats  # pass rates: every round's verdicts
+    assert stats["reward/overlong"] < 0 and batch.reward.min() < 0  # the penalty is in the rewards trained on
+    assert len(pool) == 2 and "elite/replayed" in stats  # the pool took each kept group's best
+    assert batch.extra["step_end"].sum() == batch.mask.sum()  # step rewards on the kept samples
+    assert stats["temperature"] == 1.0 and stats["entropy"] == 0.5 and temperature.value > 1.0
 
 
-def test_overlong_settings_are_checked():
-    from posttrain import config
-    from posttrain.core.errors import ConfigError
-
-    cfg, resolved = config.load("grpo_math", ["rewards.overlong_buffer=8"])
-    assert cfg.rewards.overlong_buffer == 8 and resolved["rewards"]["overlong_buffer"] == 8
-    with pytest.raises(ConfigError, match=r"rewards.overlong_buffer: 99 is more than the budget it is the end of "
-                                          r"\(rollout.max_new_tokens=24\)"):
-        config.load("grpo_math", ["rewards.overlong_buffer=99"])
-    with pytest.raises(ConfigError, match="rewards.overlong_penalty: must be ≥ 0"):
-        config.load("grpo_math", ["rewards.overlong_penalty=-1"])
-
-
-def test_dynamic_sampling_needs_groups():
-    """REINFORCE++ with one sample per prompt, or an offline method, has no groups to filter."""
-    from posttrain import config
-    from posttrain.core.errors import ConfigError
-
-    for recipe, overrides in (("grpo_math", ["algorithm.name=reinforce_pp", "algorithm.group_size=1"]),
-                              ("sft_math", [])):
-        with pytest.raises(ConfigError, match="rollout.dynamic_sampling: keeps the groups of samples whose rewards"):
-            config.load(recipe, ["rollout.dynamic_sampling=true", *overrides])
-
-
-def test_groups_are_kept_by_their_outcome_rewards_not_the_length_penalty():
-    """A solved prompt's two samples (1 and 2 tokens) differ once the overlong punishment is added (0.8 against
-    0.6), but not in accuracy: dynamic sampling drops the group, as DAPO filters on accuracy; the mixed one is kept."""
-    s = source(["solved", "mixed"], batch_size=1, rounds=2)
-    s.sampling = RolloutConfig(max_new_tokens=2, dynamic_sampling=True, max_sampling_rounds=2)
-    s.rewards = RewardsConfig(overlong_buffer=2, overlong_penalty=0.4)
-    batch, stats = s.next()
-    assert stats["sampling_rounds"] == 2 and stats["filled_groups"] == 0 and prompt_of(batch, 0) == [2, 2, 2]
-    assert batch.reward.tolist() == pytest.approx([0.8, -0.4])  # the trained rewards keep the punishment
-
-
-def test_overlong_punishment_needs_online_samples():
-    from posttrain import config
-    from posttrain.core.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="rewards.overlong_buffer: the overlong punishment shapes the rewards"):
-        config.load("sft_math", ["rewards.overlong_buffer=2"])
+def test_group_sizes_come_from_the_controller():
+    """Per-difficulty group sizes: the sizer's per-prompt n reaches the rollout engine, and its metrics the step.
+    Prompt 1 is solved (G 2), prompt 2 unseen (G 4): scaled to the budget of 8, 2.67 and 5.33, rounded to 3 and 5."""
+    rates = PassRates("question")
+    rates.observe([{"question": "1"}], [True])  # prompt 1 solved: the smallest group
+    source = Online(deps(["mixed", "mixed"], batch_size=2, n=4, group_sizes=AdaptiveGroups(rates, 4, 2, 6, 0.9)))
+    batch, stats = source.next()
+    assert batch.group.tolist() == [0, 0, 0, 1, 1, 1, 1, 1] and stats["group_size/min"] == 3.0

@@ -5,8 +5,9 @@ import pytest
 import torch
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
-from posttrain.algorithms import ppo
-from posttrain.algorithms.ppo import PPO, PPOConfig, gae, kl_reward, whiten
+from posttrain.algorithms import common, ppo
+from posttrain.algorithms.common import gae, kl_reward, whiten
+from posttrain.algorithms.ppo import PPO, PPOConfig
 from posttrain.core.aggregation import MODES, aggregate, masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -107,11 +108,11 @@ def test_clipped_coefficient_hand_worked():
     logp = old + torch.log(rho)
     adv = torch.tensor([[2.0], [-1.0], [0.0]])
     mask = torch.ones(3, 3)
-    gc, metrics = ppo.clipped_coefficient(adv, logp, old, mask, 0.2, None)
+    gc, metrics = common.clipped_coefficient(adv, logp, old, mask, 0.2, None)
     torch.testing.assert_close(gc, torch.tensor([[1.4, 2.0, 0.0], [0.0, -1.0, -1.3], [0.0, 0.0, 0.0]]))
     torch.testing.assert_close(metrics["clip_frac"], torch.tensor(2 / 9))
     torch.testing.assert_close(metrics["ratio"], torch.tensor(1.0))
-    gc, metrics = ppo.clipped_coefficient(adv, logp, old, mask, 0.2, 0.4)
+    gc, metrics = common.clipped_coefficient(adv, logp, old, mask, 0.2, 0.4)
     torch.testing.assert_close(gc, torch.tensor([[1.4, 2.0, 2.6], [0.0, -1.0, -1.3], [0.0, 0.0, 0.0]]))
     torch.testing.assert_close(metrics["clip_frac"], torch.tensor(1 / 9))
 

@@ -12,7 +12,7 @@ from posttrain.backends.ddp import DDP
 from posttrain.core import precision
 from posttrain.core.aggregation import Totals
 from posttrain.sources import run_splits
-from posttrain.train import Engine, run
+from posttrain.train import build, run
 
 
 def grpo_gradient(model_dir, tmp_path, precision):
@@ -21,9 +21,9 @@ def grpo_gradient(model_dir, tmp_path, precision):
     cfg, _ = config.load("grpo_math", [f"model.path={model_dir}", f"output_dir={tmp_path / precision}",
                                        f"train.precision={precision}", "algorithm.beta=0.1", "train.batch_size=2",
                                        "algorithm.group_size=4", "data.train_size=50", "data.test_size=5"])
-    engine = Engine(cfg, model_dir, DDP(precision=precision), run_splits(cfg))
+    engine = build(cfg, model_dir, DDP(precision=precision), run_splits(cfg))
     torch.manual_seed(0)
-    sampler = Engine(config.load("grpo_math", [f"model.path={model_dir}", "data.train_size=50",
+    sampler = build(config.load("grpo_math", [f"model.path={model_dir}", "data.train_size=50",
                                                "data.test_size=5"])[0], model_dir, DDP(), run_splits(cfg)).rollout
     batch = sampler.generate([[5, 6, 7], [8, 9]], 4, max_new_tokens=8)
     batch.reward = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])

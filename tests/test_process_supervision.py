@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_helpers import posttrain
 from conftest import EASY
 from helpers import objective_grad, surrogate_grad, written_out_mean
-from test_cli import posttrain
 
 from posttrain import config
 from posttrain.algorithms import get
@@ -246,10 +246,16 @@ def test_step_tensors_ride_through_select_concat_and_trim(chars):
 def test_online_source_puts_step_rewards_on_the_sampled_tokens(chars):
     """The online source with step rewards asked for: the judge's rule scores each line, and the [B, R] tensors
     mark the sampled tokens that end them (character tokens here: the newlines and the EOS)."""
+    from pathlib import Path
+
+    from posttrain.core.schedules import SamplingTemperature
     from posttrain.schema import RolloutConfig
+    from posttrain.sources import Deps
     from posttrain.sources.online import Online
 
     class Rollout:
+        version = 0
+
         def generate(self, prompts, n, **_):
             responses = [chars(t, add_special_tokens=False)["input_ids"] + [chars.eos_token_id]
                          for t in ("2-9=-7\n-7+1=-6\n#### -6", "2-9=-7\n#### 1")]
@@ -259,15 +265,20 @@ def test_online_source_puts_step_rewards_on_the_sampled_tokens(chars):
 
     rows = SimpleNamespace(next=lambda k: [{"question": "2-9+1", "answer": "2-9=-7\n-7+1=-6\n#### -6"}] * k)
     judge = Judge(DataConfig(), RewardsConfig(process="steps"))
-    source = Online(rows, chars, DataConfig(), 1, Rollout(), RolloutConfig(), judge, 2, step_rewards=True)
-    batch, _ = source.next()
+
+    def source(needs):
+        return Online(Deps(sampler=rows, tokenizer=chars, data=DataConfig(), batch_size=1, micro_batch_size=2, seed=0,
+                           algorithm=None, samples_per_prompt=2, rollout=Rollout(), sampling=RolloutConfig(),
+                           judge=judge, score_reference=None, model_path=Path("."), cache_dir=Path("."), needs=needs,
+                           temperature=SamplingTemperature(1.0)))
+
+    batch, _ = source(frozenset({"step_reward"})).next()
     assert batch.reward.tolist() == [1.0, 0.0]
     assert batch.extra["step_end"][0].nonzero().flatten().tolist() == [6, 14, 22]  # 22: the EOS
     assert batch.extra["step_reward"][0].tolist()[:23] == [0] * 6 + [1] + [0] * 7 + [1] + [0] * 7 + [1]
     assert batch.extra["step_end"][1].nonzero().flatten().tolist() == [6, 13]
     assert batch.extra["step_reward"][1, 6] == 1.0 and batch.extra["step_reward"][1, 13] == 0.0
-    source.step_rewards = False
-    assert source.next()[0].extra == {}  # not asked for: not scored
+    assert source(frozenset()).next()[0].extra == {}  # not asked for: not scored
 
 
 def save_prm(path, tokenizer, labels, seed=0):

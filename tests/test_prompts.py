@@ -4,9 +4,9 @@ GSM8K recipe end to end on a tiny chat checkpoint."""
 import json
 
 import pytest
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import FIXTURES
 from families import IM_END, bpe_tokenizer, build_family
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain import config
 from posttrain.core.errors import ConfigError

@@ -3,8 +3,8 @@
 import json
 
 import pytest
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import EASY, FIXTURES
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain import config
 

@@ -9,7 +9,7 @@ from helpers import clipped_objective, objective_grad, ragged_batch, surrogate_g
 
 from posttrain import config
 from posttrain.algorithms import get
-from posttrain.algorithms.ppo import whiten
+from posttrain.algorithms.common import whiten
 from posttrain.algorithms.reinforce_pp import ReinforcePPConfig
 from posttrain.core.aggregation import MODES
 from posttrain.core.batch import Batch

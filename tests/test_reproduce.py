@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from test_cli import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain
 
 from posttrain.apps import reproduce
 from posttrain.apps.spread import Spread
@@ -56,6 +56,36 @@ def test_an_ordering_holds_only_beyond_the_spread():
     assert grpo["difference"] > 0 and not grpo["holds"] and grpo["seeds_holding"] == 2
     ps = rows["GRPO+PS > GRPO"]
     assert ps["difference"] < 0 and not ps["holds"] and ps["seeds_holding"] == 0
+
+
+def test_figure5_takes_the_comparison_as_data(tmp_path, monkeypatch):
+    """figure5 builds on what `compare.run_comparison` returns, not on compare.json: here the comparison is replaced
+    by one that runs nothing and writes no file. Two seeds; GRPO+PS ends at 0.5 and 0.7, so its final accuracy is
+    0.6 ± 0.141 and GRPO+PS > GRPO (0.3 in both seeds) holds in 2 of 2 seeds and beyond the spread."""
+    from posttrain.apps import compare
+
+    def run(after: float) -> dict:
+        return {"accuracy_after": after, "curve": [{"step": 0, "wall_seconds": 0.0, "eval_accuracy": 0.1},
+                                                   {"step": 2, "wall_seconds": 1.0, "eval_accuracy": after}]}
+
+    finals = {"rft": (0.1, 0.1), "online_rft": (0.2, 0.2), "grpo": (0.3, 0.3), "grpo_ps": (0.5, 0.7)}
+    seed_runs = {name: [run(a) for a in after] for name, after in finals.items()}
+    given = []
+
+    def comparison(argv):
+        given.append(argv)
+        return compare.Results(compare.Plan({n: n for n in finals}, argv, tmp_path, [], 2, 1), seed_runs)
+
+    monkeypatch.setattr(compare, "run_comparison", comparison)
+    own, passed = reproduce.settings_of("figure5", ["seeds=2", "steps=2", f"output_dir={tmp_path}"])
+    assert reproduce.figure5(own, passed) == 0
+    assert "seeds=2" in given[0] and not (tmp_path / "compare.json").exists()
+    report = json.loads((tmp_path / "figure5.json").read_text())
+    assert report["final_accuracy"] == {name: list(after) for name, after in finals.items()}
+    ps = report["orderings"][-1]
+    assert ps["ordering"] == "GRPO+PS > GRPO" and ps["seeds_holding"] == 2 and ps["holds"]
+    assert ps["higher"]["mean"] == pytest.approx(0.6) and ps["higher"]["sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert (tmp_path / "figure5.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

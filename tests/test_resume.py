@@ -7,8 +7,8 @@ import os
 import signal
 
 import pytest
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import EASY
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain.core.errors import ConfigError
 from posttrain.core.threads import usable_cores

@@ -4,8 +4,8 @@ import json
 import math
 
 import pytest
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import EASY
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain.core.schedules import lr_factor
 

@@ -1,4 +1,4 @@
-"""The elite replay pool (sources/elite.py) on hand-built batches, its off-policy weight in Engine.coefficient
+"""The elite replay pool (stages/elite.py) on hand-built batches, its off-policy weight in Engine.coefficient
 against autograd on the weighted objective written out, and its config checks."""
 
 import io
@@ -10,12 +10,13 @@ from helpers import objective_grad, weighted_grpo_objective
 
 from posttrain import config
 from posttrain.algorithms import get
-from posttrain.algorithms.grpo import GRPOConfig, group_advantages
+from posttrain.algorithms.common import group_advantages
+from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.core.aggregation import MODES, aggregate
 from posttrain.core.batch import Batch, collate
 from posttrain.core.errors import ConfigError
-from posttrain.sources.elite import ElitePool
-from posttrain.train.engine import Engine, fresh_mask
+from posttrain.stages.elite import ElitePool, fresh_mask
+from posttrain.train.engine import Engine
 
 PAD = 0
 A, B, C = [7, 8], [9], [3, 4, 5]  # three prompts, of different lengths (left padding differs)
@@ -155,7 +156,7 @@ def scored_batch(spread: float):
 def engine(cfg, tis_cap, elite_cap) -> Engine:
     e = Engine.__new__(Engine)  # only what Engine.coefficient reads
     e.plugin, e.tis_cap, e.mismatch, e.elite_sums = GRPO, tis_cap, torch.zeros(3), torch.zeros(2)
-    e.cfg = SimpleNamespace(algorithm=cfg, rollout=SimpleNamespace(elite_is_cap=elite_cap))
+    e.algorithm, e.cfg = cfg, SimpleNamespace(rollout=SimpleNamespace(elite_is_cap=elite_cap))
     return e
 
 
@@ -220,3 +221,26 @@ def test_config_accepts_group_methods():
     for recipe in ("grpo_math", "ppo_math", "online_rft_math"):
         cfg, resolved = config.load(recipe, ["rollout.elite_pool=16", "rollout.elite_is_cap=2"])
         assert cfg.rollout.elite_pool == 16 and resolved["rollout"]["elite_is_cap"] == 2.0
+
+
+# -- the stage (EliteReplay) in the online source ------------------------------------------------------------------
+def test_the_stage_replays_on_a_second_pass_with_the_elite_version_and_text(monkeypatch):
+    """A mixed prompt (rewards 1, 0) stored at version 0 comes back as failed at version 3: its worst sample becomes
+    the stored best, with that row's version, reward, outcome and a new text for the stages after it."""
+    from fake_online import Rollout, deps, fake_ids
+
+    from posttrain.schema import RolloutConfig
+    from posttrain.sources.online import Online
+
+    fake_ids(monkeypatch)
+    pool, rollout = ElitePool(4, PAD), Rollout()
+    source = Online(deps(["mixed"], batch_size=1, sampling=RolloutConfig(elite_pool=4), elite=pool, rollout=rollout))
+    first, stats = source.next()
+    assert stats["elite/replayed"] == 0 and len(pool) == 1 and first.extra["replayed"].tolist() == [0, 0]
+    source.sampler.rows = [{"id": 1, "kind": "failed", "question": "1"}]  # the same prompt, now never solved
+    rollout.version = 3
+    judged = source.pipeline.through(0)
+    out = source.pipeline.stages[0](judged, None)
+    assert out.metrics["elite/replayed"] == 1 and out.batch.extra["replayed"].tolist() == [0, 1]
+    assert out.batch.version.tolist() == [3, 0] and out.batch.reward.tolist() == [0, 1]
+    assert out.outcome.tolist() == [0, 1] and out.texts == ["replayed", "replayed"]

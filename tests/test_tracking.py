@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import yaml
+from cli_helpers import assert_one_line_error, posttrain
 from conftest import EASY
-from test_cli import assert_one_line_error, posttrain
 
 from posttrain import config, schema
 from posttrain.core.errors import ConfigError

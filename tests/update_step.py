@@ -16,7 +16,7 @@ from posttrain.core.aggregation import Totals
 from posttrain.core.batch import collate
 from posttrain.data import prompt_ids, response_ids
 from posttrain.sources import run_splits
-from posttrain.train import Engine
+from posttrain.train import build
 
 
 def whole_grad(backend, param):
@@ -49,8 +49,9 @@ def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -
                                       f"train.backend={backend_name}", *overrides])
     backend = backends.get(backend_name)(precision=cfg.train.precision, offload=cfg.train.offload)
     torch.manual_seed(0)
-    engine = Engine(cfg, model_dir, backend, run_splits(cfg))
-    rows = engine.train_rows[:8]  # responses of different lengths, so per-sequence and per-token totals differ
+    splits = run_splits(cfg)
+    engine = build(cfg, model_dir, backend, splits)
+    rows = splits[0][:8]  # responses of different lengths, so per-sequence and per-token totals differ
     batch = collate(prompt_ids(engine.tokenizer, rows, cfg.data), response_ids(engine.tokenizer, rows, cfg.data),
                     engine.tokenizer.pad_token_id)
     local = batch.select(slice(backend.rank, None, backend.world_size)).to(backend.device)

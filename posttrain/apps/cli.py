@@ -2,6 +2,7 @@
 
     posttrain run recipe=NAME_OR_PATH [key=value ...]     train
     posttrain config recipe=NAME_OR_PATH [key=value ...]  print the resolved config
+    posttrain explain recipe=NAME_OR_PATH [key=value ...] what one step does: batch sizes, updates, models, memory
     posttrain recipes                                     list the recipes that ship with posttrain
     posttrain eval MODEL_DIR [eval.k=8 key=value ...]     greedy accuracy, pass@k and maj@k of a model
     posttrain estimate model=DIR_OR_PRESET gpus=N ...     per-GPU memory of SFT, DPO, PPO and GRPO
@@ -55,6 +56,13 @@ def cmd_config(args) -> int:
     _, resolved = config.load(recipe, overrides)
     print(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True, width=1000), end="")
     return 0
+
+
+def cmd_explain(args) -> int:
+    recipe, overrides = _split_recipe(args.overrides)
+    from posttrain.apps import explain
+
+    return explain.main(recipe, overrides, as_json=args.json)
 
 
 def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
@@ -141,6 +149,15 @@ def parser() -> argparse.ArgumentParser:
                          epilog=EPILOG)
     cfg.add_argument("overrides", nargs="*", metavar="recipe=NAME key=value")
     cfg.set_defaults(func=cmd_config)
+    exp = sub.add_parser("explain", help="what one step of a recipe does: batch sizes, updates, models, memory",
+                         description="Explain a run without running it: posttrain explain recipe=grpo_math "
+                         "[key=value ...]. Prompts and sequences per step (per process and over WORLD_SIZE "
+                         "processes), micro-batches, optimizer steps per batch and per run, token bounds, the models "
+                         "loaded and why, the stages of the data pipeline, how far off-policy a sample can be, and "
+                         "`posttrain estimate`'s memory for the config. Loads no model.", epilog=EPILOG)
+    exp.add_argument("overrides", nargs="*", metavar="recipe=NAME key=value")
+    exp.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    exp.set_defaults(func=cmd_explain)
     rec = sub.add_parser("recipes", help="list the recipes that ship with posttrain, one line each",
                          description="List the recipes that ship with posttrain, each with a one-line description.")
     rec.set_defaults(func=cmd_recipes)
@@ -158,7 +175,8 @@ def parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
     est = sub.add_parser("estimate", help="per-GPU memory of SFT, DPO, PPO and GRPO for a model and GPU count",
                          description="Estimate per-GPU memory: posttrain estimate model=DIR_OR_PRESET gpus=N zero=0|1|2|3 "
-                         "[offload=none|optimizer|all] [lora=R] [batch=… G=… prompt_len=… response_len=…] "
+                         "[backend=NAME] [offload=none|optimizer|params (all: the same as params)] [lora=R] "
+                         "[batch=… G=… prompt_len=… response_len=…] "
                          "[grad_ckpt=true|false] [dtype=bf16|fp16|fp32] [rollout=hf|vllm gpu_memory_utilization=0.3] "
                          "[gpu_mem=80]. See docs/estimate.md.")
     est.add_argument("settings", nargs="*", metavar="key=value")

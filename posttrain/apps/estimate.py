@@ -27,14 +27,13 @@ Assumptions (render() prints them with the numbers):
    KV cache and the activations, not both. Reference and reward forwards run under no_grad and keep nothing.
 4. Attention is fused (FlashAttention/SDPA, Dao et al. 2022), so no [heads, T, T] score matrix is kept.
 5. With LoRA the reference is the policy's frozen base with adapters disabled (TRL's PEFT path), so it adds nothing.
-6. Offload follows DeepSpeed: optimizer offload needs ZeRO >= 1, parameter offload (offload=all) needs ZeRO-3.
+6. Offload follows DeepSpeed: optimizer offload needs ZeRO >= 1, parameter offload (offload=params) needs ZeRO-3.
    Offloaded bytes are this rank's shard in CPU memory. Gradients are counted on the GPU.
 7. Not counted: CUDA context (~1 GB), allocator fragmentation, communication buffers, ZeRO-3's gathered layer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import math
@@ -47,12 +46,30 @@ from posttrain.core.errors import ConfigError, UserError
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OFFLOAD = ("none", "optimizer", "all")
+OFFLOAD_ALIASES = {"all": "params"}  # the estimator's first name for parameter offload, still accepted
 TRANSIENT = ("rollout KV cache", "vLLM engine (rollout)", "activations")  # live at different times: the larger counts
 ROLLOUTS = ("hf", "vllm")
-# `train.backend` -> the ZeRO stage whose sharding it does: FSDP2 shards weights, gradients and AdamW state as ZeRO-3.
-BACKEND_STAGES = {"ddp": 0, "fsdp2": 3, "zero2": 2, "zero3": 3}
-DEEPSPEED = ("zero2", "zero3")  # keep an fp32 master copy in the optimizer even of fp32 weights
+
+
+def backend_classes() -> dict[str, type]:
+    """`train.backend` name -> its class, as the backends register themselves. Each declares what the estimator asks
+    of it: the ZeRO stage whose sharding it does (`zero_stage`; FSDP2's is 3), the `train.offload` values it supports
+    (`offloads`) and whether its optimizer keeps an fp32 master copy even of fp32 weights (`fp32_master`, DeepSpeed's
+    does). A backend registered later is estimated with no table here to edit."""
+    from posttrain.backends import BACKENDS  # (torch.distributed): only once a setting is checked
+
+    return dict(BACKENDS)
+
+
+def offloads() -> tuple[str, ...]:
+    """Every `train.offload` value some backend supports, from the backends that shard least to those that shard most
+    (none, optimizer, params)."""
+    ordered = sorted(backend_classes().values(), key=lambda cls: cls.zero_stage)
+    return tuple(dict.fromkeys(o for cls in ordered for o in cls.offloads))
+
+
+def _fp32_master(backend: str | None) -> bool:
+    return backend is not None and backend_classes()[backend].fp32_master
 
 
 @dataclass(frozen=True)
@@ -255,7 +272,8 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         spec: the model (policy; critic, reference and reward model are taken to be the same size).
         method: a registered method (`posttrain.algorithms`): what it holds comes from `method_profile`.
         gpus: data-parallel GPUs that ZeRO shards over.
-        zero: ZeRO stage 0-3. offload: "none", "optimizer" (moments and master) or "all" (also weights).
+        zero: ZeRO stage 0-3. offload: "none", "optimizer" (moments and master) or "params" (also weights; "all"
+            is the same, the estimator's first name for it), as a run's `train.offload`.
         lora: LoRA rank; 0 trains every weight.
         batch: per GPU: prompts (PPO, GRPO), rows (SFT) or pairs (DPO). group: samples per GRPO prompt (G).
         prompt_len, response_len: tokens per sequence. grad_ckpt: gradient checkpointing.
@@ -265,18 +283,21 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         rollout: "hf" (the trainer's model samples, with a KV cache) or "vllm" (a colocated vLLM engine, which takes
             `gpu_memory_utilization` of the `gpu_mem` GB card for its weights and KV cache while it samples, and
             sleeps, freeing both, during the update: `rollout.gpu_memory_utilization` of a run).
-        backend: a run's `train.backend`, which sets `zero` to the stage it shards as (`BACKEND_STAGES`); the
-            DeepSpeed ones also keep an fp32 master copy of fp32 weights.
+        backend: a run's `train.backend`, which sets `zero` to the stage it shards as and accepts only the offloads
+            it supports, both as the backend declares them (`backend_classes`); the DeepSpeed ones also keep an fp32
+            master copy of fp32 weights.
 
     Raises:
         UserError: a setting out of range, named.
     """
     if backend is not None:
-        if backend not in BACKEND_STAGES:
-            raise UserError(f"backend={backend}: must be {' or '.join(BACKEND_STAGES)}")
-        if zero not in (0, BACKEND_STAGES[backend]):
-            raise UserError(f"zero={zero}: backend={backend} shards as zero={BACKEND_STAGES[backend]}")
-        zero = BACKEND_STAGES[backend]
+        table = backend_classes()
+        if backend not in table:
+            raise UserError(f"backend={backend}: must be {' or '.join(table)}")
+        stage = table[backend].zero_stage
+        if zero not in (0, stage):
+            raise UserError(f"zero={zero}: backend={backend} shards as zero={stage}")
+        zero = stage
     settings = {"gpus": gpus, "zero": zero, "offload": offload, "lora": lora, "batch": batch, "group": group,
                 "prompt_len": prompt_len, "response_len": response_len, "grad_ckpt": grad_ckpt, "dtype": dtype,
                 "master_weights": master_weights, "reward_model": reward_model, "beta": beta, "rollout": rollout,
@@ -284,7 +305,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
     _validate(method=method, **settings)
     p, n = BYTES[dtype], spec.n_params
     trained = state_bytes(spec, dtype=dtype, lora=lora, master_weights=master_weights,
-                          fp32_master=backend in DEEPSPEED)
+                          fp32_master=_fp32_master(backend))
     frozen = state_bytes(spec, dtype=dtype, trained=False)
     t = _num(spec.lora_params(lora)) + " LoRA" if lora else _num(n)
 
@@ -294,7 +315,8 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         where = (f" / {shard} (ZeRO-{zero})" if shard > 1 else "") + (" on CPU" if to_cpu else "")
         return (0, b, where) if to_cpu else (b, 0, where)
 
-    off_opt, off_par = offload in ("optimizer", "all"), offload == "all"
+    off = OFFLOAD_ALIASES.get(offload, offload)
+    off_opt, off_par = off != "none", off == "params"
     params_f = f"({_num(n)} frozen + {t}) × {p} B" if lora else f"{_num(n)} × {p} B ({dtype})"
     parts = [  # (role, bytes, ZeRO stage that shards it, offloaded, formula)
         ("parameters", trained.params, 3, off_par, params_f),
@@ -339,22 +361,15 @@ def method_profile(method: str, group: int, beta: float):
     """What the registered plugin `method` holds, read from its own declarations rather than a list here:
     (plugin, needs, samples online, sequences per batch item).
 
-    The plugin's default config is used, with `beta` (KL weight) and `group` (GRPO's G, `group_size`) set where the
-    config has such a field. A `beta` the method rejects leaves its default (DPO's β must be > 0 and it always needs
-    the reference); a `group` it rejects is an error.
+    The config is the plugin's `sized_config(beta, group)`: its defaults, with the KL weight and the samples per
+    prompt where the method has them (GRPO's β and G, PPO's β; DPO's β is no KL weight, so DPO keeps its own and
+    always needs the reference). A `group` the method rejects is an error.
     """
     plugin = algorithms.get(method)
-    cfg, fields = plugin.Config(), {f.name for f in dataclasses.fields(plugin.Config)}
-    if "beta" in fields:
-        try:
-            cfg = dataclasses.replace(cfg, beta=beta)
-        except ConfigError:
-            pass
-    if "group_size" in fields:
-        try:
-            cfg = dataclasses.replace(cfg, group_size=group)
-        except ConfigError as err:
-            raise UserError(f"G={group}: {method}: {err}") from None
+    try:
+        cfg = plugin.sized_config(beta, group)
+    except ConfigError as err:
+        raise UserError(f"G={group}: {method}: {err}") from None
     from posttrain.sources import SOURCES  # (transformers): only once the settings are valid
 
     online = SOURCES.find(plugin.source).on_policy  # samples the policy every step: a rollout KV cache
@@ -363,9 +378,11 @@ def method_profile(method: str, group: int, beta: float):
 
 def _validate(**kw) -> None:
     """Raise UserError naming the first setting out of range."""
+    known = offloads()
     checks = {  # key -> (valid, what is allowed); keys as the CLI spells them
         "method": (kw["method"] in algorithms.REGISTRY, " or ".join(algorithms.REGISTRY)), "gpus": (kw["gpus"] >= 1, ">= 1"),
-        "zero": (kw["zero"] in (0, 1, 2, 3), "0, 1, 2 or 3"), "offload": (kw["offload"] in OFFLOAD, "/".join(OFFLOAD)),
+        "zero": (kw["zero"] in (0, 1, 2, 3), "0, 1, 2 or 3"),
+        "offload": (kw["offload"] in (*known, *OFFLOAD_ALIASES), "/".join(known)),
         "lora": (kw["lora"] >= 0, ">= 0"), "batch": (kw["batch"] >= 1, ">= 1"), "G": (kw["group"] >= 1, ">= 1"),
         "prompt_len": (kw["prompt_len"] >= 0, ">= 0"), "response_len": (kw["response_len"] >= 0, ">= 0"),
         "dtype": (kw["dtype"] in BYTES, " or ".join(BYTES)), "beta": (kw["beta"] >= 0, ">= 0"),
@@ -376,10 +393,13 @@ def _validate(**kw) -> None:
     for key, (ok, allowed) in checks.items():
         if not ok:
             raise UserError(f"{key}={kw['group' if key == 'G' else key]}: must be {allowed}")
-    if kw["offload"] == "optimizer" and kw["zero"] < 1:
+    offload = OFFLOAD_ALIASES.get(kw["offload"], kw["offload"])
+    if kw["backend"] is not None and offload not in (supported := backend_classes()[kw["backend"]].offloads):
+        raise UserError(f"offload={kw['offload']}: backend={kw['backend']} supports {' or '.join(supported)}")
+    if offload == "optimizer" and kw["zero"] < 1:
         raise UserError("offload=optimizer: needs zero >= 1 (DeepSpeed offloads the sharded optimizer)")
-    if kw["offload"] == "all" and kw["zero"] < 3:
-        raise UserError("offload=all: parameter offload needs zero=3 (DeepSpeed offload_param)")
+    if offload == "params" and kw["zero"] < 3:
+        raise UserError(f"offload={kw['offload']}: parameter offload needs zero=3 (DeepSpeed offload_param)")
 
 
 def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
@@ -397,7 +417,7 @@ def render(estimates: list[Estimate], gpu_mem: float = 80.0) -> str:
         fit_s, out = ", ".join(map(str, fit)), ", ".join(str(n) for n in (1, 2, 4, 8) if n not in fit)
         verdict = f"{fit_s} GPUs" + (f" (not {out})" if out else "") if fit else f"none of {out} GPUs"
         lines.append(f"  fits in {gpu_mem:g} GB per GPU with: {verdict}")
-    master = ("fp32 master weights" if c["master_weights"] and (c["dtype"] != "fp32" or c["backend"] in DEEPSPEED)
+    master = ("fp32 master weights" if c["master_weights"] and (c["dtype"] != "fp32" or _fp32_master(c["backend"]))
               else "no master copy")
     lora = f"LoRA rank {c['lora']} on q, k, v, o, gate, up, down" if c["lora"] else "full fine-tuning"
     lines += ["", "Assumptions:",

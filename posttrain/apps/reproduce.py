@@ -119,14 +119,14 @@ def figure5(own: dict, passed: list[str]) -> int:
     out = own["output_dir"]
     argv = [*figure5_recipes(out), f"steps={own['steps']}", f"seeds={own['seeds']}", f"output_dir={out}",
             "overwrite=true", *passed]
-    code = compare.main(argv)
-    if code:
-        return code
-    report = json.loads((out / "compare.json").read_text())
-    seed_runs = report.get("seed_runs") or {name: [run] for name, run in report["runs"].items()}
+    try:
+        results = compare.run_comparison(argv)  # writes compare's own report too; the figures use its data
+    except compare.RunFailed as err:
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        return 1
     curves = {name: [[(p["step"], p["eval_accuracy"]) for p in run["curve"] if p.get("eval_accuracy") is not None]
-                     for run in runs] for name, runs in seed_runs.items()}
-    finals = {name: [run["accuracy_after"] for run in runs] for name, runs in seed_runs.items()}
+                     for run in runs] for name, runs in results.seed_runs.items()}
+    finals = {name: [run["accuracy_after"] for run in runs] for name, runs in results.seed_runs.items()}
     final = {name: Spread(tuple(v)) if len(v) > 1 else v[0] for name, v in finals.items()}
     rows = ordering_rows(final, finals)
     plot_curves(curves, out / "figure5.png")

@@ -50,6 +50,15 @@ class Backend:
     offloads: tuple[str, ...] = ("none",)
     """The `train.offload` values this backend supports."""
 
+    zero_stage: int = 0
+    """The ZeRO stage (Rajbhandari et al. 2020, arXiv:1910.02054) whose sharding this backend does: 0 every process
+    holds everything, 1 the optimizer state is sharded, 2 the gradients too, 3 the weights too. `posttrain estimate
+    backend=NAME` sizes memory by it."""
+
+    fp32_master: bool = False
+    """True when the optimizer keeps an fp32 master copy of the trained weights even when they are fp32 themselves
+    (DeepSpeed's ZeRO optimizer does); `posttrain estimate` counts its 4 bytes a trained weight."""
+
     precisions: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
     """The `train.precision` values this backend runs (`auto` picks among them)."""
 

@@ -58,6 +58,7 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 class FSDP2(DDP):
     sharded = True
     offloads = ("none", "params")  # FSDP2 offloads weights, gradients and AdamW state together, never one alone
+    zero_stage = 3  # weights, gradients and AdamW state, each 1/N a process
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
         super().__init__(precision, offload)

@@ -68,7 +68,7 @@ def _bytes(tensors) -> int:
 
 class ZeRO(DDP):
     skips_nonfinite = False  # its engine steps before the norm is known here: a non-finite one stops the run
-    stage = 0
+    fp32_master = True  # its ZeRO optimizer keeps one whatever the weights' dtype
     precisions = ("fp32", "bf16-mixed")  # fp16-mixed's loss scale is posttrain's, which DeepSpeed's engine skips
 
     def __init__(self, precision: str = "fp32", offload: str = "none"):
@@ -101,8 +101,8 @@ class ZeRO(DDP):
         """The DeepSpeed config of one model. Buckets are sized by the model, as transformers' integration does
         ("auto"), not DeepSpeed's defaults (5e8 elements: a 2 GB buffer whatever the model)."""
         hidden = getattr(getattr(model, "config", None), "hidden_size", 1024)
-        zero = {"stage": self.stage, "reduce_bucket_size": hidden * hidden}
-        if self.stage == 3:
+        zero = {"stage": self.zero_stage, "reduce_bucket_size": hidden * hidden}
+        if self.zero_stage == 3:
             # weights of fewer elements than this stay whole on every process (norms, biases)
             zero.update(stage3_param_persistence_threshold=10 * hidden,
                         stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
@@ -180,7 +180,7 @@ class ZeRO(DDP):
 
 @register("zero2")
 class ZeRO2(ZeRO):
-    stage = 2
+    zero_stage = 2
     offloads = ("none", "optimizer")
 
     def freeze(self, model):
@@ -199,7 +199,7 @@ class ZeRO2(ZeRO):
 
 @register("zero3")
 class ZeRO3(ZeRO):
-    stage = 3
+    zero_stage = 3
     sharded = True
     offloads = ("none", "optimizer", "params")
 

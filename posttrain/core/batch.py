@@ -28,6 +28,11 @@ class Batch:
     ref_logp: torch.Tensor | None = None  # [B, R] log π_ref
     adv: torch.Tensor | None = None  # [B] or [B, R] advantage
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, ...] per-sample tensors a plugin adds
+    # What a rollout record carries beyond the tokens, for off-policy correction and multi-turn environments:
+    version: torch.Tensor | None = None  # [B] long, the policy version that sampled each row (steps trained by then)
+    model_tokens: torch.Tensor | None = None  # [B, R] 1.0 on tokens the model sampled, 0.0 on tokens an environment
+    # wrote (multi-turn); None: every response token is the model's
+    temperature: float = 1.0  # τ the responses were drawn at, and so the one their log-probs are scored at
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -1,4 +1,5 @@
-"""Schedules over a run: the learning rate's, and the KL weight β's.
+"""Schedules over a run: the learning rate's, the KL weight β's and the sampling temperature's, and the controllers that
+hold the last two as the run goes (`KLWeight`, `SamplingTemperature`).
 
 The learning rate: the factor on `train.lr` at each optimizer step (what torch's LambdaLR multiplies by).
 
@@ -90,3 +91,55 @@ def adapted_temperature(temperature: float, entropy: float, target: float, low: 
         return min(max(temperature, low), high)
     step = TEMPERATURE_GAIN * (target - entropy) / target
     return min(max(temperature * math.exp(step), low), high)
+
+
+class KLWeight:
+    """The controller of β under `train.beta_schedule`: the loop calls `at(step)` before each step, and the step
+    trains with `apply(cfg.algorithm)`, a copy of the plugin's config with this step's β (the validated config stays
+    as it was). Saved in checkpoints, like every controller."""
+
+    def __init__(self, beta: float, *, schedule: str, values: list[float], total: int):
+        self.schedule, self.values, self.total = schedule, list(values), total
+        self.beta = beta  # the algorithm's own until the first step
+
+    def at(self, step: int) -> None:
+        """Sets β for step `step` (1-based)."""
+        self.beta = beta_at(step, schedule=self.schedule, values=self.values, total=self.total, beta=self.beta)
+
+    def apply(self, algorithm):
+        """The plugin's config (a dataclass with a `beta` field) with this step's β."""
+        import dataclasses
+
+        return dataclasses.replace(algorithm, beta=self.beta)
+
+    def metrics(self) -> dict[str, float]:
+        return {"beta": self.beta}
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = state["beta"]
+
+
+class SamplingTemperature:
+    """The controller of the online source's sampling temperature τ: fixed at `rollout.temperature`, or moved after
+    each step by the adaptive-temperature stage (`observe`, with `adapted_temperature`'s rule) towards the entropy
+    target. The sampler reads `value` when it draws; a batch records the τ it was drawn at."""
+
+    def __init__(self, temperature: float, *, target: float | None = None, low: float = 0.0,
+                 high: float = math.inf):
+        self.value, self.target, self.low, self.high = temperature, target, low, high
+
+    def observe(self, entropy: float) -> None:
+        """Sets the next step's τ from this step's mean per-token entropy; with no target given, the first step's
+        entropy becomes it."""
+        if self.target is None:
+            self.target = entropy
+        self.value = adapted_temperature(self.value, entropy, self.target, self.low, self.high)
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.target = state["value"], state["target"]

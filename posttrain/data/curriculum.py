@@ -50,6 +50,17 @@ def difficulty(value) -> float | None:
     return float(value)
 
 
+def check(cfg, plugin) -> None:
+    """data.curriculum orders the rows drawn each step: of methods that draw rows each step, and by pass rate only
+    for those whose samples the run judges as it trains."""
+    if cfg.data.curriculum != "none" and plugin.source not in ("online", "offline"):
+        raise ConfigError(f"data.curriculum: orders the rows drawn each step; {plugin.name} samples its training set "
+                          "once, before the run")
+    if cfg.data.curriculum == "pass_rate" and plugin.source != "online":
+        raise ConfigError(f"data.curriculum: pass_rate weighs prompts by how often the policy solves them, judged on "
+                          f"samples drawn as the run trains; {plugin.name} draws none (curriculum=field works)")
+
+
 def check_difficulty(rows: list[dict], field: str) -> None:
     """Every row has a difficulty in `field`; otherwise a DataError naming data.difficulty_field and the row."""
     for n, row in enumerate(rows, 1):

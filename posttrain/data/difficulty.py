@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 
+from posttrain.core.errors import ConfigError
+
 ALPHA = 0.5  # weight of the newest group in the moving average
 
 
@@ -88,3 +90,44 @@ def group_sizes(rates: list[float | None], *, size: int, low: int, high: int, ta
     for i in by_remainder[: budget - sum(sizes)]:
         sizes[i] += 1
     return sizes
+
+
+class FixedGroups:
+    """Every prompt gets the plugin's n samples."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, rows: list[dict]) -> tuple[int, dict[str, float]]:
+        """(n for every prompt, no metrics)."""
+        return self.n, {}
+
+
+class AdaptiveGroups:
+    """Per-difficulty group sizes (`rollout.adaptive_group_size`): each prompt's G from its running pass rate, the
+    step's budget kept at len(rows) × n (`group_sizes`)."""
+
+    def __init__(self, pass_rates: PassRates, n: int, low: int, high: int, target: float):
+        self.pass_rates, self.n, self.low, self.high, self.target = pass_rates, n, low, high, target
+
+    def __call__(self, rows: list[dict]) -> tuple[list[int], dict[str, float]]:
+        """(each prompt's G, their least and greatest as metrics)."""
+        sizes = group_sizes([self.pass_rates.get(r) for r in rows], size=self.n, low=self.low, high=self.high,
+                            target=self.target)
+        return sizes, {"group_size/min": float(min(sizes)), "group_size/max": float(max(sizes))}
+
+
+def check(cfg, plugin) -> None:
+    """Per-difficulty group sizes need groups of an online method, with algorithm.group_size (the budget's mean)
+    within their bounds."""
+    r = cfg.rollout
+    if not r.adaptive_group_size:
+        return
+    n = plugin.samples_per_prompt(cfg.algorithm) if plugin.source == "online" else 0
+    if n < 2:
+        raise ConfigError(f"rollout.adaptive_group_size: sets each prompt's group size; {plugin.name} with these "
+                          "settings samples no groups")
+    if not r.min_group_size <= n <= r.max_group_size:
+        raise ConfigError(f"rollout.adaptive_group_size: algorithm.group_size={n} is the mean group size and must lie "
+                          f"in [rollout.min_group_size, rollout.max_group_size] = [{r.min_group_size}, "
+                          f"{r.max_group_size}]")

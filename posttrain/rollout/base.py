@@ -41,6 +41,8 @@ class RolloutEngine:
     """True when the engine samples from the trainer's own module, so an update needs no weight sync."""
     collective: bool = False
     """True when sampling runs sharded weights, so every process must make the same `generate` calls."""
+    version: int = 0
+    """The policy version it samples with: the training steps done when its weights were last synced."""
 
     @classmethod
     def check(cls) -> None:

@@ -11,11 +11,13 @@ import torch
 
 from posttrain.core.batch import Batch
 from posttrain.core.registry import Registry
+from posttrain.core.schedules import SamplingTemperature
 from posttrain.data import RowSampler
 from posttrain.data.difficulty import PassRates
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
 from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
+from posttrain.stages import ElitePool
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,22 @@ class Deps:
     rewards: RewardsConfig | None = None  # the rewards.* keys the source applies itself (the overlong punishment)
     needs: frozenset[str] = frozenset()  # what the plugin asked the engine for (`Algorithm.needs`): a source reads
     # the ones it provides ("step_reward": the judge's step rewards in the batch), never which method runs
+    # The run's controllers a source reads or updates (the run owns and checkpoints them):
     pass_rates: PassRates | None = None  # each prompt's running pass rate, kept up to date by the online source
+    temperature: SamplingTemperature | None = None  # the sampling temperature, adapted by its stage if asked
+    elite: ElitePool | None = None  # the elite replay pool (rollout.elite_pool)
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None  # a sum/mean/max over every process
+    group_sizes: Callable[[list[dict]], tuple[int | list[int], dict]] | None = None  # rows -> (samples per prompt,
+    # metrics): FixedGroups or AdaptiveGroups (posttrain.data.difficulty)
 
 
 class Source:
     """Where each step's batch comes from. Subclasses implement `from_deps` and `next`.
+
+    A source keeps no state of its own across steps: what changes as the run goes (the row draws, pass rates, the
+    elite pool, the sampling temperature) lives in controllers the run owns and checkpoints, handed over in `Deps`.
+    What a source builds at the start (RFT's samples, DPO's pairs and reference log-probs) is built again, the same,
+    when a resumed run starts.
 
     Attributes:
         on_policy: the batch holds samples of the current policy (log-probs are scored at the sampling temperature).
@@ -69,14 +82,6 @@ class Source:
     def next(self) -> tuple[Batch, dict]:
         """The step's batch (on the CPU) and metrics of its data."""
         raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        """Where the source stands, for a checkpoint: the position of its draws. What it built at the start (RFT's
-        samples, DPO's pairs and reference log-probs) is built again, the same, when a resumed run starts."""
-        return {"sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
 
 
 SOURCES = Registry("data source", "algorithm.source")  # name -> Source subclass; a plugin's `source` names one

@@ -1,17 +1,19 @@
-"""An elite replay pool for the online source: the best completion ever sampled for a prompt, replayed into its group
-when the policy falls below it.
+"""The elite replay stage (`rollout.elite_pool`): the best completion ever sampled for a prompt, replayed into its
+group when the policy falls below it.
 
 Idea: self-imitation (Oh et al. 2018, "Self-Imitation Learning", arXiv:1806.05635): a policy that once found a
 high-reward answer should keep learning from it while its fresh samples do worse. The pool (`rollout.elite_pool`
 prompts, 0: off) holds, per prompt (its token ids), one completion: the highest-reward one sampled so far (ties: the
 newer), as its response ids and mask, its behaviour log-probs μ(o_t|·) (the `rollout_logp` the rollout engine reported
-when it drew it, at that step's sampling temperature), its reward and whether it was truncated. When full, the prompt
+when it drew it, at that step's sampling temperature), the policy version that drew it, its reward and whether it was
+truncated. The pool is a controller: the run owns it and checkpoints it. When full, the prompt
 least recently stored or replayed is evicted (LRU).
 
-Each step the source calls `inject` on its fresh batch, then `update`:
+Each step the stage (`EliteReplay`, after dynamic sampling has kept groups by their own samples' rewards) calls
+`inject` on the fresh batch, then `update`:
     inject: for each group whose best fresh reward is strictly below its prompt's elite reward, the group's
-        lowest-reward sample (the last of equals) is replaced by the elite, with the elite's reward, truncation and μ
-        as `rollout_logp`, and marked in `batch.extra["replayed"]` ([B] float, 1.0 on replayed rows; present whenever
+        lowest-reward sample (the last of equals) is replaced by the elite, with the elite's reward, truncation,
+        version and μ as `rollout_logp`, and marked in `batch.extra["replayed"]` ([B] float, 1.0 on replayed rows; present whenever
         the pool is on). Rows and group ids stay as they were (every process runs as many rows); an elite longer
         than the batch's R widens the batch, padding every per-token tensor.
     update: each group's best fresh sample (replayed rows excluded) replaces its prompt's elite if its reward is at
@@ -49,6 +51,9 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
+from posttrain.data import completion_texts
+from posttrain.stages.base import Judged, Stage
 
 REPLAYED = "replayed"  # the key in `batch.extra` of the [B] marks of replayed rows
 
@@ -60,6 +65,7 @@ class Elite:
     logp: torch.Tensor  # [L] μ: log-probs of the policy that drew them, at its sampling temperature, on the CPU
     reward: float
     truncated: bool
+    version: int = 0  # the policy version that drew it
 
 
 class ElitePool:
@@ -85,9 +91,10 @@ class ElitePool:
             if key in self.elites and reward < self.elites[key].reward:
                 continue
             L = int(batch.attention_mask[i, batch.prompt_len :].sum())  # responses are right-padded
+            version = int(batch.version[i]) if batch.version is not None else 0
             self.elites[key] = Elite(batch.response_ids[i, :L].tolist(), batch.mask[i, :L].detach().cpu().clone(),
                                      batch.rollout_logp[i, :L].detach().float().cpu().clone(), reward,
-                                     bool(batch.truncated[i]))
+                                     bool(batch.truncated[i]), version)
             self.elites.move_to_end(key)
         while len(self.elites) > self.capacity:
             self.elites.popitem(last=False)
@@ -124,6 +131,8 @@ class ElitePool:
                 t[i] = 0
                 t[i, :L] = value.to(t.device, t.dtype)
             batch.truncated[i], batch.reward[i], replayed[i] = e.truncated, e.reward, 1.0
+            if batch.version is not None:
+                batch.version[i] = e.version
             self.elites.move_to_end(key)
         batch.extra[REPLAYED] = replayed
         return batch, len(chosen)
@@ -139,10 +148,53 @@ class ElitePool:
             self.elites.popitem(last=False)
 
 
+class EliteReplay(Stage):
+    """The stage around the pool: inject, then update, then the texts of replayed rows for the stages after it."""
+
+    key = "rollout.elite_pool"
+
+    def __init__(self, pool: ElitePool, tokenizer):
+        self.pool, self.tokenizer = pool, tokenizer
+
+    @staticmethod
+    def check(cfg, plugin) -> None:
+        r = cfg.rollout
+        if r.elite_pool and (plugin.source != "online" or plugin.samples_per_prompt(cfg.algorithm) < 2):
+            raise ConfigError(f"rollout.elite_pool: replays a prompt's best sample in place of the worst of its group; "
+                              f"{plugin.name} with these settings samples no groups (one completion per prompt, or "
+                              "none)")
+        if r.elite_pool and cfg.rewards.normalize != "none":
+            raise ConfigError(f"rollout.elite_pool: compares rewards across steps, and rewards.normalize="
+                              f"{cfg.rewards.normalize} makes each reward relative to its own step's samples; choose "
+                              "one")
+
+    @classmethod
+    def build(cls, deps) -> EliteReplay | None:
+        return cls(deps.elite, deps.tokenizer) if deps.elite is not None else None
+
+    def __call__(self, judged: Judged, more) -> Judged:
+        batch, replayed = self.pool.inject(judged.batch)
+        self.pool.update(batch)
+        metrics = {**judged.metrics, **self.pool.metrics(replayed)}
+        if not replayed:
+            return judged.replace(batch=batch, metrics=metrics)
+        marks = batch.extra[REPLAYED].cpu() > 0  # [B]
+        outcome = torch.where(marks, batch.reward.cpu(), judged.outcome)  # [B] a replayed row's stored reward
+        return judged.replace(batch=batch, texts=completion_texts(self.tokenizer, batch), outcome=outcome,
+                              metrics=metrics)
+
+
 def prompt_key(batch: Batch, i: int) -> tuple[int, ...]:
     """The real (unpadded) prompt token ids of row i."""
     P = batch.prompt_len
     return tuple(batch.input_ids[i, :P][batch.attention_mask[i, :P].bool()].tolist())
+
+
+def fresh_mask(batch: Batch) -> torch.Tensor:
+    """[B, R] `mask` less the rows replayed from an elite pool (`extra["replayed"]`): the tokens this step's rollout
+    engine drew, whose `rollout_logp` measures the train-inference mismatch and the sampling entropy."""
+    replayed = batch.extra.get(REPLAYED)  # [B] or None
+    return batch.mask if replayed is None else batch.mask * (1 - replayed)[:, None].to(batch.mask.dtype)
 
 
 def groups(batch: Batch) -> list[torch.Tensor]:

@@ -1,9 +1,11 @@
-"""The training loop: the engine (one step of any method), and the run around it (tracking, evaluation, checkpoints).
+"""The training loop: building a run's parts, the engine that steps them, and the run around it (tracking,
+evaluation, checkpoints).
 
-`run` trains from a validated config; `Engine` is one step, for tests and tools that drive it directly.
+`run` trains from a validated config; `build` makes a run's `Engine`, for tests and tools that drive steps directly.
 """
 
+from posttrain.train.build import build
 from posttrain.train.engine import Engine
 from posttrain.train.loop import run
 
-__all__ = ["Engine", "run"]
+__all__ = ["Engine", "build", "run"]

@@ -7,7 +7,8 @@ beside the weights:
   the saved model's dtype), and the AdamW and learning-rate schedule states, as the backend writes them: one file
   under `ddp`; each process's shards under `fsdp2` (torch.distributed.checkpoint) and `zero2`/`zero3` (DeepSpeed's
   checkpoint), never gathered, so that a model too large for one device saves and resumes as it trains;
-- `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its data position;
+- `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its controllers
+  (posttrain.train.controllers: its row draws, pass rates, elite pool, temperature, β, early stopping);
 - `trainer_state.json`, written last: the step, the evaluations and wall time so far, the start model and the config.
 
 A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N` only once every file is in it, so a
@@ -72,7 +73,8 @@ class Checkpoints:
         save_model(engine, tmp)
         crash_point("checkpoint", step)  # fault injection for the kill tests: a torn temporary directory
         engine.save_training_state(tmp / TRAINING_STATE)  # every process takes part
-        torch.save({"rng": rng_state(), "source": engine.source.state_dict()}, tmp / f"process_{backend.rank}.pt")
+        torch.save({"rng": rng_state(), "controllers": engine.controllers.state_dict()},
+                   tmp / f"process_{backend.rank}.pt")
         backend.barrier()
         if backend.is_main:
             (tmp / RUN_STATE).write_text(json.dumps({"step": step, "world_size": backend.world_size,
@@ -159,12 +161,15 @@ def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict
 
 
 def restore(path: Path, engine) -> None:
-    """Puts the checkpoint at `path` back into `engine`: trained models, optimizers, schedules, data position and
+    """Puts the checkpoint at `path` back into `engine`: trained models, optimizers, schedules, controllers and
     random generators (`check` first)."""
     backend = engine.backend
     engine.load_training_state(path / TRAINING_STATE)
     mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
-    engine.source.load_state_dict(mine["source"])
+    if "controllers" not in mine:
+        raise ConfigError(f"resume: '{path}' was written by an older posttrain, whose checkpoints kept the run's "
+                          "changing state in the data source; start the run afresh")
+    engine.controllers.load_state_dict(mine["controllers"])
     set_rng_state(mine["rng"])
     engine.sync_rollout()  # vLLM started from the start model's files
 

@@ -1,6 +1,7 @@
 """The engine: one training step for every method.
 
-Each step: the plugin's data source makes a `Batch` (offline rows, or policy samples with rewards); the engine scores
+The run's parts are built once (posttrain/train/build.py); each step only runs them. Each step: the plugin's data
+source makes a `Batch` (offline rows, or policy samples with rewards); the engine scores
 whatever the plugin asked for (reference and old log-probs, critic values); the plugin prepares the batch (advantages)
 and gives a gradient coefficient per token; the engine turns it into −aggregate(stopgrad(GC) · log πθ), accumulates
 gradients over micro-batches, steps the optimizer through the backend, and hands the new weights to the rollout
@@ -12,31 +13,21 @@ not depend on how the batch is split into micro-batches or over processes.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import time
 from pathlib import Path
 
 import torch
 
-from posttrain import judge, rollout
 from posttrain.backends import Backend, Trained
-from posttrain.config import algorithm_of
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
-from posttrain.core.schedules import adapted_temperature, beta_at, lr_factor
-from posttrain.data import RowSampler, uses_chat
-from posttrain.data.curriculum import Curriculum
-from posttrain.data.difficulty import PassRates
 from posttrain.models import lora
-from posttrain.models.gated_mlp import lean_gated_mlps
-from posttrain.models.loading import load, stop_token_ids
 from posttrain.models.scoring import token_logprobs, token_values
-from posttrain.schema import RunConfig, cache_root, weights_dtype
-from posttrain.sources import SOURCES, Deps
+from posttrain.schema import RunConfig
+from posttrain.stages.elite import fresh_mask
 from posttrain.train.evaluation import evaluate
 
 
@@ -47,111 +38,37 @@ def mean_metrics(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 
 class Engine:
-    """Holds the models, optimizers, rollout engine and data source of one run; `step` does one step of the method.
+    """One run's parts, built once by `posttrain.train.build.build`, and `step`, which runs them: it constructs
+    nothing and writes no config. What changes from step to step lives in `controllers` (posttrain.train.controllers).
 
     Args:
         cfg: the validated config.
-        model_path: the starting policy's directory.
-        backend: how training is distributed.
-        splits: (training rows, held-out rows).
+        plugin, needs: the method's plugin and what the engine provides it ("ref_logp", "old_logp", "values", ...).
+        policy, critic: the trained models as the backend wraps them (critic None when not needed).
+        ref, ref_is_base: the frozen reference model, or (LoRA) True to score the policy with its adapter off.
+        rollout: the rollout engine; judge: rewards and verdicts; controllers: the run's changing state.
+        test_rows: the held-out rows; parameters: trained and total parameter counts; roles: bytes by role.
     """
 
-    def __init__(self, cfg: RunConfig, model_path: str | Path, backend: Backend,
-                 splits: tuple[list[dict], list[dict]]):
-        # its own copy of the algorithm's config, whose β train.beta_schedule sets each step
-        cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm))
-        self.cfg, self.backend, self.model_path = cfg, backend, Path(model_path)
-        self.plugin = algorithm_of(cfg)
-        self.needs = self.plugin.needs(cfg.algorithm)
-        self.train_rows, self.test_rows = splits
+    def __init__(self, *, cfg: RunConfig, backend: Backend, model_path: Path, plugin, needs: frozenset[str], tokenizer,
+                 judge, policy: Trained, ref, ref_is_base: bool, critic: Trained | None, rollout, controllers,
+                 test_rows: list[dict], parameters: dict, roles: RoleBytes, source=None):
+        self.cfg, self.backend, self.model_path, self.plugin, self.needs = cfg, backend, model_path, plugin, needs
+        self.tokenizer, self.judge, self.policy, self.critic, self.rollout = tokenizer, judge, policy, critic, rollout
+        self.ref, self.ref_is_base, self.controllers, self.source = ref, ref_is_base, controllers, source
+        self.test_rows, self.parameters, self.roles, self.phases = test_rows, parameters, roles, PhasePeaks()
         t, a = cfg.train, cfg.algorithm
-        precision = backend.precision  # as it runs: train.precision=auto resolved for the device
-        dtype, frozen = weights_dtype(precision, trained=True), weights_dtype(precision, trained=False)
-        policy, self.tokenizer = load(model_path, dtype=dtype)
-        lean_gated_mlps(policy)  # trained models keep two of each MLP's four activations for backward
-        adapters = cfg.model.lora
-        if adapters.r:
-            policy = lora.apply(policy, adapters, model_path)
-        uses_chat(self.tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
-        self.judge = judge.build(cfg, backend.device, with_reward_model="reward" in self.needs, place=backend.freeze,
-                                 tokenizer=self.tokenizer, with_process_model="step_reward" in self.needs,
-                                 precision=precision)
-        # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
-        self.ref, self.ref_is_base = None, False
-        if "ref_logp" in self.needs:  # loaded only when the plugin asks for it
-            if adapters.r and cfg.model.ref_path is None:
-                self.ref_is_base = True
-            else:
-                self.ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen,
-                                               key="model.ref_path")[0])
-        self.parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
-        updates = t.steps * self.plugin.epochs(a) * self.plugin.minibatches(a)  # optimizer steps of the run
-        schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=updates,
-                                     cycles=t.lr_cycles, floor=t.min_lr / t.lr)
-        self.policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, schedule=schedule,
-                                    max_grad_norm=t.max_grad_norm)
-        self.critic = None
-        if "values" in self.needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
-            critic, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=self.tokenizer,
-                             key="algorithm.critic_path" if a.critic_path else "model.path")
-            lean_gated_mlps(critic)
-            if adapters.r:  # its own adapter and value head on its own copy of the base (docs/lora.md says why)
-                critic = lora.apply(critic, adapters, a.critic_path or model_path, kind="critic")
-            self.critic = backend.train(critic, lr=a.critic_lr, weight_decay=t.weight_decay,
-                                        max_grad_norm=t.max_grad_norm)
-        sampler = lora.hf_model(backend.generation_model(self.policy))  # adapters in place when adapted
-        self.rollout = rollout.get(cfg.rollout.engine).start(rollout.Setup(
-            policy=sampler, model_path=self.model_path, pad_id=self.tokenizer.pad_token_id,
-            stop_ids=stop_token_ids(sampler, self.tokenizer), sampling=cfg.rollout, precision=precision,
-            seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * self.plugin.samples_per_prompt(a),
-                                                       cfg.eval.batch_size),
-            agree=backend.agree if backend.sharded else None))
         # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
         # else every weight, LoRA adapters merged in (cheaper than an adapter for vLLM to load from disk each step).
-        self.weight_sync = "none" if self.rollout.colocated else ("merged" if adapters.r else "full")
-        source = SOURCES.find(self.plugin.source)
+        self.weight_sync = "none" if rollout.colocated else ("merged" if cfg.model.lora.r else "full")
         self.tis_cap = cfg.rollout.tis_cap
-        if source.on_policy and self.plugin.epochs(a) * self.plugin.minibatches(a) > 1:
-            # The trainer's log-probs under the sampling weights, for the mismatch and truncated IS: after the first
-            # optimizer step the update's own forward no longer gives them.
-            self.needs = self.needs | {"old_logp"}
-        # Samples of the current policy are scored at the sampling temperature; fixed responses at 1.
-        self.temperature = cfg.rollout.temperature if source.on_policy else 1.0
-        self.mode, self.norm = self.plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or
-                                                             float(cfg.rollout.max_new_tokens))
-        unit = self.plugin.unit
-        self.micro = max(unit, t.micro_batch_size // unit * unit)
-        d = cfg.data
-        with_rates = cfg.rollout.adaptive_group_size or d.curriculum == "pass_rate"
-        self.pass_rates = PassRates(d.prompt_field) if with_rates else None  # the online source keeps them
-        draws = RowSampler(self.train_rows, cfg.seed, backend.rank, backend.world_size)
-        if d.curriculum != "none":
-            draws = Curriculum(self.train_rows, cfg.seed, backend.rank, backend.world_size, mode=d.curriculum,
-                                 field=d.difficulty_field, start=d.curriculum_start,
-                                 ramp_steps=d.curriculum_steps or max(1, t.steps // 2),
-                                 pass_rate=self.pass_rates and self.pass_rates.get, floor=d.curriculum_floor)
-        with backend.autocast():  # sources that sample a fixed set (RFT) do it here
-            self.source = source.from_deps(Deps(
-                tokenizer=self.tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=draws,
-                micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a,
-                samples_per_prompt=self.plugin.samples_per_prompt(a), rollout=self.rollout, sampling=cfg.rollout,
-                judge=self.judge,
-                score_reference=(lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference else None,
-                model_path=self.model_path, cache_dir=cache_root(cfg), agree=backend.agree,
-                rewards=cfg.rewards, needs=frozenset(self.needs), pass_rates=self.pass_rates))
-        ref = self.ref
-        if self.source.scores_reference:
-            self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
-        self.roles, self.phases = RoleBytes(), PhasePeaks()
+        self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
+        self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
+        self.algorithm = a  # the plugin's config of the step under way: the validated one, or with a scheduled β
         self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
         self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's)
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         self.elite_sums = torch.zeros(2, device=backend.device)  # this step's Σ elite weight, replayed tokens
-        rm = getattr(self.judge.reward_model, "model", None)
-        for role, model in (("policy_weights", sampler), ("reference_weights", ref),
-                            ("critic_weights", self.critic and self.critic.module), ("reward_model_weights", rm)):
-            if model is not None:
-                self.roles.observe(role, backend.weight_bytes(model))
 
     def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
         """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
@@ -177,8 +94,8 @@ class Engine:
     def score(self, model, batch: Batch) -> torch.Tensor:
         """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
         with self.backend.autocast():
-                return self._per_token(batch, lambda mb: token_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=self.temperature))  # [B, R]
+            return self._per_token(batch, lambda mb: token_logprobs(
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature))  # [B, R]
 
     @property
     def has_reference(self) -> bool:
@@ -206,37 +123,43 @@ class Engine:
 
     # -- update -----------------------------------------------------------------------------------------------
     def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
-        """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up)."""
-        cfg, backend = self.cfg, self.backend
+        """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up). Logs the loss and,
+        beside it, the method's `objective` (algorithms/base.py), aggregated the same way and computed without grad."""
+        backend, algorithm = self.backend, self.algorithm
         micro = [mb for _, mb in self.micro_batches(batch)]
         trained = [t for t in (self.policy, self.critic) if t is not None]
         loss_sum, metrics = torch.zeros((), device=backend.device), {}
+        objective_sum = torch.zeros((), device=backend.device)
         for i, mb in enumerate(micro):
             with backend.accumulating(trained, sync=i == len(micro) - 1):  # all-reduced once, after the last
                 with backend.autocast():
                     logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                                          temperature=self.temperature)  # [b, R] float32
+                                          temperature=mb.temperature)  # [b, R] float32
                 gc, m = self.coefficient(mb, logp.detach())  # [b, R]
                 loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 backend.backward(loss, self.policy)
                 if self.critic is not None:
                     with backend.autocast():
                         values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
-                    per_token, cm = self.plugin.critic_loss(mb, values, cfg.algorithm)  # [b, R]
-                    critic_loss = aggregate(per_token, mb.mask, "token_mean", totals)
+                    per_token, cm = self.plugin.critic_loss(mb, values, algorithm)  # [b, R]
+                    critic_mode, critic_norm = self.plugin.critic_aggregation(algorithm)
+                    critic_loss = aggregate(per_token, mb.mask, critic_mode, totals, critic_norm)
                     backend.backward(critic_loss, self.critic)
                     m = {**m, **cm, "critic_loss": critic_loss * len(micro)}
             loss_sum += loss.detach()
+            with torch.no_grad():  # logged only: the gradient, and so the weights, are the loss's alone
+                objective = self.plugin.objective(mb, logp.detach(), algorithm)  # [b, R]
+                objective_sum += aggregate(objective, mb.mask, self.mode, totals, self.norm)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
-        metrics["loss"] = loss_sum
+        metrics["loss"], metrics["objective"] = loss_sum, objective_sum
         return metrics
 
     def coefficient(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the truncated
         importance weight when `rollout.tis_cap` is set and the rollout engine reported its log-probs; on rows replayed
-        from an elite pool (sources/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap) instead."""
-        gc, m = self.plugin.coefficient(mb, logp, self.cfg.algorithm)  # [b, R]
+        from an elite pool (stages/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap) instead."""
+        gc, m = self.plugin.coefficient(mb, logp, self.algorithm)  # [b, R]
         if mb.rollout_logp is None:
             return gc, m
         # log π_trainer under the weights that sampled: old_logp, or this forward when it is the step's only update
@@ -299,7 +222,7 @@ class Engine:
 
     def minibatches(self, batch: Batch) -> list[Batch]:
         """The batch cut into the plugin's number of minibatches, whole units each, shuffled each epoch."""
-        n = self.plugin.minibatches(self.cfg.algorithm)
+        n = self.plugin.minibatches(self.algorithm)
         if n == 1:
             return [batch]
         unit = self.plugin.unit
@@ -309,21 +232,16 @@ class Engine:
         return [batch.select(rows[i : i + size]) for i in range(0, len(batch), size)]
 
     def step(self) -> dict[str, float]:
+        """One step: the source's batch, scored for what the plugin needs, then μ × minibatches optimizer steps on
+        it, then the new weights to the rollout engine. Returns the step's metrics."""
         t_start = time.perf_counter()
-        phases = self.phases
+        phases, backend = self.phases, self.backend
         self.steps_done += 1
-        t, scheduled = self.cfg.train, self.cfg.train.beta_schedule != "constant"
-        if scheduled:
-            self.cfg.algorithm.beta = beta_at(self.steps_done, schedule=t.beta_schedule, values=t.beta_values,
-                                              total=t.steps, beta=self.cfg.algorithm.beta)
-        self.source.sampler.at(self.steps_done - 1)  # a curriculum's progress: the steps done before this one
-        if self.source.on_policy:  # scored at the temperature the batch is sampled at
-            self.temperature = self.source.temperature
-        with phases.phase("rollout"), self.backend.autocast():  # sampling and rewards; collation if offline
+        self.controllers.at(self.steps_done)
+        self.algorithm = self.controllers.algorithm(self.cfg.algorithm)  # a copy with this step's β, if scheduled
+        with phases.phase("rollout"), backend.autocast():  # sampling, rewards and the source's stages; collation
             batch, stats = self.source.next()
-            batch = batch.to(self.backend.device)
-        if self.cfg.rollout.adaptive_temperature:
-            stats.update(self.adapt_temperature(batch))
+            batch = batch.to(backend.device)
         with phases.phase("scoring"):
             if self.has_reference:
                 batch.ref_logp = self.reference_logp(batch)
@@ -331,17 +249,17 @@ class Engine:
                 batch.old_logp = self.score(self.policy.module, batch)
             if self.critic is not None:
                 batch.extra["values"] = self.values(batch)
-        self.mismatch = torch.zeros(3, device=self.backend.device)
-        self.elite_sums = torch.zeros(2, device=self.backend.device)  # Σ weight, Σ tokens over replayed tokens
+        self.mismatch = torch.zeros(3, device=backend.device)
+        self.elite_sums = torch.zeros(2, device=backend.device)  # Σ weight, Σ tokens over replayed tokens
         if batch.rollout_logp is not None and batch.old_logp is not None:
             self.observe_mismatch(batch.old_logp, batch.rollout_logp, fresh_mask(batch))
-        batch, prep = self.plugin.prepare(batch, self.cfg.algorithm)
+        batch, prep = self.plugin.prepare(batch, self.algorithm)
         self.roles.observe("rollout_batch", batch_bytes(batch))
         updates = []
         self.rollout.release()
         skipped, lr = 0, self.policy.scheduler.get_last_lr()[0]  # the rate of this step's first update
         with phases.phase("update"), large_allocations_mapped():
-            for _ in range(self.plugin.epochs(self.cfg.algorithm)):
+            for _ in range(self.plugin.epochs(self.algorithm)):
                 for minibatch in self.minibatches(batch):
                     updates.append(self.update(minibatch, self.totals(minibatch)))
                     skipped += self.skipped
@@ -354,37 +272,24 @@ class Engine:
         stats.update({"time/score": phases.seconds["scoring"], "time/update": phases.seconds["update"],
                       "time/weight_sync": time.perf_counter() - t0})
         metrics = {**prep, **mean_metrics(updates)}
-        reduced = {k: float(self.backend.reduce(torch.as_tensor(v, device=self.backend.device).float(), "mean"))
+        reduced = {k: float(backend.reduce(torch.as_tensor(v, device=backend.device).float(), "mean"))
                    for k, v in sorted(metrics.items())}
-        if self.cfg.rollout.elite_pool:  # the mean over every replayed token of the step, on every process
-            weights, tokens = self.backend.reduce(self.elite_sums, "sum").tolist()
+        if "replayed" in batch.extra:  # the mean over every replayed token of the step, on every process
+            weights, tokens = backend.reduce(self.elite_sums, "sum").tolist()
             reduced["elite/is_weight"] = weights / max(tokens, 1.0)
         if batch.rollout_logp is not None:
-            kl, tokens = self.backend.reduce(self.mismatch[:2], "sum").tolist()
+            kl, tokens = backend.reduce(self.mismatch[:2], "sum").tolist()
             reduced["mismatch/kl"] = kl / max(tokens, 1.0)
-            reduced["mismatch/max"] = float(self.backend.reduce(self.mismatch[2], "max"))
+            reduced["mismatch/max"] = float(backend.reduce(self.mismatch[2], "max"))
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
-        return {**stats, **reduced, "trained_tokens": trained, "lr": lr,
-                **({"beta": self.cfg.algorithm.beta} if scheduled else {}),
+        return {**stats, **reduced, "trained_tokens": trained, "lr": lr, **self.controllers.metrics(),
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
 
-    def adapt_temperature(self, batch: Batch) -> dict[str, float]:
-        """Sets the next step's sampling temperature from this batch's entropy (`adapted_temperature`), the same on
-        every process; returns this step's temperature and entropy for the metrics."""
-        r, fresh = self.cfg.rollout, fresh_mask(batch)  # an elite's log-probs are an older policy's
-        sums = torch.stack([-(batch.rollout_logp * fresh).sum(), fresh.sum()]).float()
-        nats, tokens = self.backend.reduce(sums.to(self.backend.device), "sum").tolist()
-        entropy = nats / max(tokens, 1.0)  # per sampled token, over every process
-        source = self.source
-        if source.target_entropy is None:  # no target given: the first step's entropy
-            source.target_entropy = entropy
-        source.temperature = adapted_temperature(self.temperature, entropy, source.target_entropy, r.min_temperature,
-                                                 r.max_temperature)
-        return {"temperature": self.temperature, "entropy": entropy}
-
     def sync_rollout(self) -> None:
-        """Gives a rollout engine that holds its own copy of the weights (vLLM) the policy's current ones."""
+        """Gives a rollout engine that holds its own copy of the weights (vLLM) the policy's current ones, and the
+        policy version they are (the steps trained so far), which it stamps on what it samples."""
+        self.rollout.version = self.steps_done
         if not self.rollout.colocated:
             self.rollout.load_weights(self.backend.weights(self.policy))
 
@@ -417,13 +322,6 @@ def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tens
     d = (trainer - sampled) * mask  # [B, R]
     k3 = (d.exp() - 1 - d) * mask  # [B, R]
     return torch.stack([k3.sum(), mask.sum(), d.abs().max() if d.numel() else d.new_zeros(())])
-
-
-def fresh_mask(batch: Batch) -> torch.Tensor:
-    """[B, R] `mask` less the rows replayed from an elite pool (`extra["replayed"]`, sources/elite.py): the tokens
-    this step's rollout engine drew, whose `rollout_logp` measures the train-inference mismatch."""
-    replayed = batch.extra.get("replayed")  # [B] or None
-    return batch.mask if replayed is None else batch.mask * (1 - replayed)[:, None].to(batch.mask.dtype)
 
 
 def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import torch
 
@@ -155,16 +154,17 @@ class EarlyStop:
         self.metric, self.patience, self.delta = cfg.stop_on, cfg.patience, cfg.min_delta
         self.best, self.best_step, self.worse, self.kls, self.previous = None, None, 0, [], None
         self.best_evaluation: dict | None = None  # the best evaluation's report, the run's eval_after on rollback
+        self.checkpoint: str | None = None  # the name of the best evaluation's checkpoint, which the loop keeps
 
-    def state_dict(self, checkpoint: Path | None) -> dict:
-        """What a resumed run needs back (JSON), with the best evaluation's checkpoint."""
+    def state_dict(self) -> dict:
+        """What a resumed run needs back, with the best evaluation's checkpoint."""
         return {"best": self.best, "best_step": self.best_step, "worse": self.worse, "kls": self.kls,
-                "previous": self.previous, "best_evaluation": self.best_evaluation,
-                "checkpoint": checkpoint.name if checkpoint else None}
+                "previous": self.previous, "best_evaluation": self.best_evaluation, "checkpoint": self.checkpoint}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.best_step, self.worse, self.kls = state["best"], state["best_step"], state["worse"], state["kls"]
-        self.previous, self.best_evaluation = state["previous"], state["best_evaluation"]
+        self.previous, self.best_evaluation, self.checkpoint = state["previous"], state["best_evaluation"], \
+            state["checkpoint"]
 
     @property
     def on(self) -> bool:

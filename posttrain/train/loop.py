@@ -24,9 +24,9 @@ from posttrain.core.threads import ThreadFit
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
+from posttrain.train.build import build
 from posttrain.train.checkpoint import Checkpoints
-from posttrain.train.engine import Engine
-from posttrain.train.evaluation import EarlyStop, Schedule
+from posttrain.train.evaluation import Schedule
 from posttrain.train.rundir import RunDir, write_json
 from posttrain.train.tracking import Tracker
 
@@ -63,16 +63,16 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                "threads": threads.threads}
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
-    engine = Engine(cfg, model_path, backend, splits)
+    engine = build(cfg, model_path, backend, splits)
     summary["rollout_engine"] = engine.rollout.name  # the engine that really started
     summary["weight_sync"] = engine.weight_sync  # none (colocated), full, or merged (LoRA)
     summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
     start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
     if checkpoint is not None:
-        checkpoints.restore(checkpoint, engine)
         start, elapsed = state["step"], state["wall_seconds"]
+        engine.steps_done = start  # first: the rollout engine's policy version is the steps done
+        checkpoints.restore(checkpoint, engine)
         engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
-        engine.steps_done = start
         summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
     backend.barrier()
     out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
@@ -93,11 +93,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     backend.barrier()
     t = cfg.train
     steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
-    stopper, done, stopped_at = EarlyStop(cfg.eval), start, None
-    if state is not None and "early_stop" in state:
-        stopper.load_state_dict(state["early_stop"])
-        name = state["early_stop"]["checkpoint"]
-        saver.protected = out / "checkpoints" / name if name else None
+    stopper, done, stopped_at = engine.controllers.early_stop, start, None  # restored with the checkpoint
+    if stopper.checkpoint:
+        saver.protected = out / "checkpoints" / stopper.checkpoint
     if schedule.on and checkpoint is None:
         summary["eval_before"] = engine.evaluate()
     with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, start=start, report_to=cfg.trackers,
@@ -119,8 +117,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
             run_state = {"wall_seconds": metrics["wall_seconds"], "model_path": str(Path(model_path).resolve()),
                          "evaluations": {k: summary[k] for k in ("eval_before", "eval_after") if k in summary},
                          "skipped": [engine.skipped_steps, engine.skipped_in_a_row], "config": resolved}
-            if stopper.on:  # where the best checkpoint is, as it will be once this step's is written
-                run_state["early_stop"] = stopper.state_dict(saver.path(step) if best else saver.protected)
+            if best:  # where the best checkpoint is, as it will be once this step's is written
+                stopper.checkpoint = saver.path(step).name
             if t.max_skipped_steps and engine.skipped_in_a_row >= t.max_skipped_steps:
                 saved = saver.write(engine, step, run_state)
                 raise TrainingError(f"train.max_skipped_steps: {engine.skipped_in_a_row} steps in a row had a "

@@ -1,0 +1,491 @@
+"""`posttrain explain`: what one step of a run does, in plain words, before anything runs.
+
+Batch sizes are where users of RL trainers most often lose their way: prompts or sequences, per process or over all
+of them, how many optimizer steps one batch gives, how far behind the policy a trained sample may be. `explain`
+answers from the validated config and the rules the engine follows. It loads no model and trains nothing; it reads
+the model's config.json (when `model.path` is given) for the memory estimate only.
+
+The rules, as posttrain/train/build.py and engine.py apply them (tests/test_explain.py checks them against a real
+step):
+
+1. A step draws `train.batch_size` prompts (online source), rows (offline), kept samples (RFT's samples drawn once) or
+   pairs (DPO) on each process. An online source samples n completions of each prompt (the plugin's
+   `samples_per_prompt`); a pair is two rows (the plugin's `unit`). The world size is WORLD_SIZE (default 1).
+2. The batch is cut into the plugin's `minibatches`, of ⌈rows / unit / minibatches⌉ whole units each (so a batch
+   that does not divide gives fewer), and the plugin goes over them `epochs` times (μ): one optimizer step each
+   (`Engine.minibatches`).
+3. Each minibatch runs in micro-batches of `train.micro_batch_size` rows rounded down to whole units (at least one),
+   the last one smaller (`Engine.micro_batches`); the scoring passes before the update split the whole batch alike.
+4. Models: the policy; a reference iff the plugin needs "ref_logp" (with LoRA and no `model.ref_path`, the policy
+   with its adapter off); a critic iff "values"; a reward model iff "reward" and `reward_model.path`; a process
+   reward model iff "step_reward" and `rewards.process=model`. The engine also scores old log-probs ("old_logp")
+   when an on-policy source gives more than one update per batch (μ × minibatches > 1).
+5. Token counts are upper bounds: every prompt at `data.max_prompt_len` and every response at its budget
+   (`rollout.max_new_tokens` for sampled responses, `data.max_response_len` for responses from a file).
+6. Memory is `posttrain estimate`'s (posttrain/apps/estimate.py) for this config: the model's shape from its
+   config.json, or the embedded model's from `warmup.hidden` and `warmup.layers`; the precision `auto` resolves to on
+   this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import textwrap
+from dataclasses import dataclass, field
+
+from posttrain import config
+from posttrain.apps import estimate
+from posttrain.core.errors import UserError
+from posttrain.schema import RunConfig
+
+# What `train.batch_size` counts with each built-in source, and the source in words; a source registered later is
+# described by its name and counted in rows.
+SOURCES = {
+    "online": ("prompts", "samples of the current policy, drawn and judged every step"),
+    "offline": ("rows", "fixed (prompt, response) rows"),
+    "samples_once": ("samples", "correct samples of the starting model, drawn once before step 1"),
+    "pairs": ("pairs", "fixed pairs of a preferred and a dispreferred response to one prompt"),
+}
+# train.precision as it runs -> (estimate's dtype, fp32 master weights): mixed precision keeps fp32 weights and AdamW
+# state, which is what estimate's bf16/fp16 weights plus an fp32 master copy add up to (16 bytes a parameter).
+PRECISIONS = {"fp32": ("fp32", False), "bf16-mixed": ("bf16", True), "fp16-mixed": ("fp16", True),
+              "bf16": ("bf16", False)}
+WIDTH = 110  # of the text render() prints
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model the run loads: its role, where it comes from, whether it is trained, and why it is there."""
+
+    role: str
+    origin: str
+    trained: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the step's data pipeline: the key that turns it on, and what it does."""
+
+    key: str
+    what: str
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    role: str
+    gpu_bytes: int
+    cpu_bytes: int
+
+
+@dataclass
+class Memory:
+    """`posttrain estimate`'s figures for this config, per GPU (one process each)."""
+
+    model: str  # the model's name and shape
+    precision: str  # as it runs here, and why
+    gpu_bytes: int
+    cpu_bytes: int
+    rows: list[MemoryRow]
+
+
+@dataclass
+class Plan:
+    """One step of a run, per process unless a name says otherwise. A row is one sequence: a prompt and a response."""
+
+    recipe: str
+    method: str
+    source: str  # the data source the plugin names (`posttrain.sources`)
+    on_policy: bool  # the batch holds samples of the current policy
+    world_size: int
+    steps: int  # train.steps
+    batch_size: int  # train.batch_size: what it counts is `batch_unit`
+    batch_unit: str  # prompts, rows, samples or pairs
+    samples_per_prompt: int  # completions sampled per prompt each step (1 when the source samples nothing each step)
+    rows: int  # sequences trained on per step
+    sampled_rows: tuple[int, int]  # sequences sampled per step: least and most (dynamic sampling may take rounds)
+    sampled_once: int  # sequences sampled from the starting model once, before step 1 (at most)
+    micro_batch_size: int  # rows per micro-batch: train.micro_batch_size rounded down to whole units
+    epochs: int  # μ: passes over each batch
+    minibatch_rows: list[int]  # rows of each minibatch of a pass: one optimizer step each
+    micro_batch_rows: list[list[int]]  # rows of each micro-batch, per minibatch
+    updates_per_step: int  # optimizer steps per batch: epochs × minibatches
+    updates: int  # optimizer steps of the run
+    scheduled_updates: int  # the optimizer steps the learning-rate schedule is spread over
+    prompt_tokens: int  # at most, per step
+    response_tokens: int  # at most, per step: the tokens trained on
+    sampled_tokens: tuple[int, int]  # at most, per step: tokens generated, least and most rounds ((0, 0) if none)
+    response_budget: str  # the key that bounds a response
+    scored: list[str]  # what is scored over the whole batch before the update: ref_logp, old_logp, values
+    models: list[Model] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)
+    max_lag: int | None = None  # optimizer steps a fresh sample's policy may be behind the one it updates
+    lag: list[str] = field(default_factory=list)  # the same, in words
+    memory: Memory | None = None
+    memory_note: str = ""  # why there is no estimate, or what it assumes
+    notes: list[str] = field(default_factory=list)  # settings that do not do what they seem to
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Forward and backward passes of the update, over all epochs."""
+        return self.epochs * sum(map(len, self.micro_batch_rows))
+
+
+def chunks(total: int, size: int) -> list[int]:
+    """The sizes of `total` items cut in order into pieces of `size`, the last one smaller."""
+    return [size] * (total // size) + ([total % size] if total % size else [])
+
+
+def world_size() -> int:
+    """The number of processes a launcher starts (WORLD_SIZE, as torchrun and accelerate set it; default 1)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise UserError(f"WORLD_SIZE={raw}: expected a positive number of processes")
+    return int(raw)
+
+
+def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
+    """The plan of one step of the run `cfg` describes on `world` processes (the module docstring gives the rules)."""
+    from posttrain.sources import SOURCES as REGISTERED  # (transformers): once the config is valid
+
+    plugin, a, t, r, d = config.algorithm_of(cfg), cfg.algorithm, cfg.train, cfg.rollout, cfg.data
+    source = REGISTERED.find(plugin.source)
+    unit = plugin.unit
+    n = plugin.samples_per_prompt(a) if source.on_policy else 1
+    rows = t.batch_size * n * unit
+    micro = max(unit, t.micro_batch_size // unit * unit)
+    epochs, parts = plugin.epochs(a), plugin.minibatches(a)
+    minibatch_rows = chunks(rows, -(-rows // unit // parts) * unit)
+    updates_per_step = epochs * len(minibatch_rows)
+    needs = plugin.needs(a) | ({"old_logp"} if source.on_policy and epochs * parts > 1 else set())
+    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
+    sampled = (rows, rows * rounds) if source.on_policy else (0, 0)
+    from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
+    once = 0 if source.on_policy or from_file or not hasattr(a, "num_prompts") else a.num_prompts * a.samples_per_prompt
+    budget = "data.max_response_len" if from_file else "rollout.max_new_tokens"
+    plan = Plan(
+        recipe=recipe, method=plugin.name, source=plugin.source, on_policy=source.on_policy, world_size=world,
+        steps=t.steps, batch_size=t.batch_size, batch_unit=SOURCES.get(plugin.source, ("rows",))[0],
+        samples_per_prompt=n, rows=rows, sampled_rows=sampled, sampled_once=once, micro_batch_size=micro,
+        epochs=epochs, minibatch_rows=minibatch_rows, micro_batch_rows=[chunks(m, micro) for m in minibatch_rows],
+        updates_per_step=updates_per_step, updates=t.steps * updates_per_step,
+        scheduled_updates=t.steps * epochs * parts, prompt_tokens=rows * d.max_prompt_len,
+        response_tokens=rows * (d.max_response_len if from_file else r.max_new_tokens),
+        sampled_tokens=(sampled[0] * r.max_new_tokens, sampled[1] * r.max_new_tokens), response_budget=budget,
+        scored=[k for k in ("ref_logp", "old_logp", "values")
+                if k in needs and not (k == "ref_logp" and source.scores_reference)])
+    plan.models, plan.notes = models(cfg, plugin, source, needs)
+    plan.stages, unknown = stages(cfg, plugin, source, needs, rows)
+    plan.notes += unknown
+    plan.max_lag, plan.lag = lag(cfg, plan)
+    if plan.scheduled_updates != plan.updates:
+        plan.notes.append(f"the learning-rate schedule is spread over {plan.scheduled_updates} optimizer steps "
+                          f"(train.steps × μ × {parts} minibatches), but {rows} rows make {len(minibatch_rows)} "
+                          f"minibatches, so the run takes {plan.updates}")
+    plan.memory, plan.memory_note = memory(cfg, plugin, rows, world)
+    return plan
+
+
+def models(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[list[Model], list[str]]:
+    """The models a run loads for `needs` (the rules of posttrain/train/build.py), and notes on paths given but not
+    loaded."""
+    a, adapters, name = cfg.algorithm, cfg.model.lora.r, plugin.name
+    start = cfg.model.path or "the embedded tiny model, warmed up with SFT (cached)"
+    trained = f"LoRA adapters of rank {adapters} trained, the base frozen" if adapters else "every weight trained"
+    samples = "samples the rollouts; " if source.on_policy and cfg.rollout.engine == "hf" else ""
+    out, notes = [Model("policy", start, True, f"{samples}{trained}")], []
+    if cfg.rollout.engine != "hf":  # started for every run: evaluation samples through it too
+        out.append(Model("rollout engine", f"rollout.engine={cfg.rollout.engine}, its own copy of the policy's "
+                         "weights", False, "samples; gets the policy's weights after each step" +
+                         (" (LoRA adapters merged in)" if adapters else "")))
+    if "ref_logp" in needs:
+        beta = getattr(a, "beta", None)
+        why = (f"for the KL penalty to it (algorithm.beta={beta:g})" if plugin.kl_penalty and beta is not None
+               else f"{name}'s loss compares the policy's log-probs with its log-probs")
+        if source.scores_reference:
+            why += "; it scores the data once when the run starts and is then freed"
+        origin = ("the policy with its LoRA adapter off (no second model)" if adapters and cfg.model.ref_path is None
+                  else cfg.model.ref_path or "a copy of the starting policy")
+        out.append(Model("reference", origin, False, why))
+    elif cfg.model.ref_path:
+        notes.append(f"model.ref_path is set, but {name} with these settings needs no reference: not loaded")
+    if "values" in needs:
+        origin = getattr(a, "critic_path", None) or "the starting policy's weights, with a value head"
+        lr = getattr(a, "critic_lr", None)
+        why = "values of the response tokens, for the advantages" + (f"; trained at algorithm.critic_lr={lr:g}"
+                                                                  if lr is not None else "")
+        if adapters:
+            why += "; its own LoRA adapter and value head on its own copy of the base"
+        out.append(Model("critic", origin, True, why))
+    rm = cfg.reward_model
+    if "reward" in needs and rm.path:
+        out.append(Model("reward model", rm.path, False, f"its score × reward_model.weight={rm.weight:g} is added "
+                         "to the rule rewards"))
+    elif rm.path:
+        notes.append(f"reward_model.path is set, but {name} does not train on rewards: not loaded")
+    if "step_reward" in needs and cfg.rewards.process == "model":
+        out.append(Model("process reward model", rm.process_path, False, "scores each step of the samples trained "
+                         "on (rewards.process=model)"))
+    return out, notes
+
+
+def stages(cfg: RunConfig, plugin, source, needs: frozenset[str], rows: int) -> tuple[list[Stage], list[str]]:
+    """What a step's data goes through, in order: the row draws, the round an online source draws (group sizes,
+    sampling, the judge), then the stages of its pipeline that the config switches on, in `posttrain.stages.STAGES`'
+    order; and notes naming any stage this module does not describe."""
+    from posttrain.stages import STAGES
+
+    d, r, rw, t = cfg.data, cfg.rollout, cfg.rewards, cfg.train
+    out, notes = [], []
+    if d.curriculum == "field":
+        out.append(Stage("data.curriculum=field", f"rows drawn easiest first by {d.difficulty_field}: the easiest "
+                         f"{d.curriculum_start:.0%} at step 1, every row from step "
+                         f"{d.curriculum_steps or max(1, t.steps // 2)}"))
+    elif d.curriculum == "pass_rate":
+        out.append(Stage("data.curriculum=pass_rate", "prompts drawn in proportion to max(1 − running pass rate, "
+                         f"{d.curriculum_floor:g})"))
+    if not source.on_policy:
+        return out, notes
+    n = plugin.samples_per_prompt(cfg.algorithm)
+    if r.adaptive_group_size:
+        out.append(Stage("rollout.adaptive_group_size", f"each prompt's group size from its running pass rate, in "
+                         f"[{r.min_group_size}, {r.max_group_size}], {rows} samples in all"))
+    temperature = (f"temperature {r.temperature:g} at step 1, then set by rollout.adaptive_temperature"
+                   if r.adaptive_temperature else f"temperature {r.temperature:g}")
+    out.append(Stage(f"rollout.engine={r.engine}", f"{_n(n, 'completion')} per prompt of at most "
+                     f"{r.max_new_tokens} tokens, {temperature}, top_p {r.top_p:g}"))
+    parts = [f"{k} × {w:g}" for k, w in {**rw.weights, **rw.custom}.items()]
+    if "reward" in needs and cfg.reward_model.path:
+        parts.append(f"reward model × {cfg.reward_model.weight:g}")
+    norm = f", each objective z-scored over the {rw.normalize} first" if rw.normalize != "none" else ""
+    out.append(Stage("rewards", f"the judge scores each completion: {' + '.join(parts)}{norm}"))
+    for stage in STAGES:
+        describe = STAGE_WORDS.get(stage.__name__)
+        if describe is None:
+            notes.append(f"the online pipeline also has a stage {stage.__name__} ({stage.key}), not described here")
+        elif (what := describe(cfg, needs)) is not None:
+            out.append(Stage(stage.key, what))
+    return out, notes
+
+
+def _dynamic_sampling(cfg: RunConfig, needs) -> str | None:
+    r, b = cfg.rollout, cfg.train.batch_size
+    return (f"only groups whose rewards differ are kept: rounds of {b} more prompts, at most {r.max_sampling_rounds}, "
+            f"until {b} such groups (then equal ones fill the batch)") if r.dynamic_sampling else None
+
+
+def _overlong(cfg: RunConfig, needs) -> str | None:
+    rw, budget = cfg.rewards, cfg.rollout.max_new_tokens
+    return (f"the reward falls linearly by up to {rw.overlong_penalty:g} over the last {rw.overlong_buffer} of the "
+            f"{budget} tokens; a truncated completion loses all of it") if rw.overlong_buffer else None
+
+
+# Each stage of posttrain.stages.STAGES by class name: (config, what the engine provides) -> what it does, or None
+# when the config leaves it off (the condition its `build` tests).
+STAGE_WORDS = {
+    "PassRateUpdates": lambda cfg, needs: ("each prompt's running pass rate is updated from the judge's verdicts"
+                                           if cfg.rollout.adaptive_group_size or cfg.data.curriculum == "pass_rate"
+                                           else None),
+    "OverlongPenalty": _overlong,
+    "DynamicSampling": _dynamic_sampling,
+    "EliteReplay": lambda cfg, needs: (f"the best completion so far of up to {cfg.rollout.elite_pool} prompts is "
+                                       "kept; a group that does worse gets it back in place of its worst sample"
+                                       if cfg.rollout.elite_pool else None),
+    "StepRewards": lambda cfg, needs: (f"each step of the completions trained on is scored ({cfg.rewards.process})"
+                                       if "step_reward" in needs else None),
+    "AdaptiveTemperature": lambda cfg, needs: (
+        "the next step's temperature moves toward a target entropy of the sampled tokens, within "
+        f"[{cfg.rollout.min_temperature:g}, {cfg.rollout.max_temperature:g}]" if cfg.rollout.adaptive_temperature
+        else None),
+}
+
+
+def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
+    """How far behind the policy it updates the policy that drew a trained sample may be: optimizer steps (None for
+    data no policy of the run drew), and the same in words."""
+    r = cfg.rollout
+    if not plan.on_policy:
+        if plan.sampled_once:
+            return None, ["fixed data: samples of the starting model, drawn once; they are never drawn again, so at "
+                          f"step k they are (k − 1) × {plan.updates_per_step} optimizer steps behind the policy"]
+        return None, ["fixed data: rows no policy of the run drew"]
+    behind = plan.updates_per_step - 1
+    words = ["the step's first optimizer step trains on samples of the policy it updates (on-policy)"]
+    if behind:
+        words.append(f"each later one is one step further behind: the last is {_n(behind, 'optimizer step')} behind "
+                     f"(μ={plan.epochs} × {_n(len(plan.minibatch_rows), 'minibatch')} − 1); the sampling policy's "
+                     "log-probs (old_logp) are scored before the first, for the clipped ratio")
+    if r.elite_pool:
+        words.append("replayed elite completions were drawn by the policy of an earlier step, any number of steps "
+                     f"behind; their GC is weighted by min(π_old / μ, rollout.elite_is_cap={r.elite_is_cap:g})")
+    if r.engine != "hf":
+        cap = f"; rollout.tis_cap={r.tis_cap:g} weights each token" if r.tis_cap is not None else ""
+        words.append(f"{r.engine} samples with its own kernels, so its log-probs differ slightly from the trainer's "
+                     f"(logged as mismatch/kl){cap}")
+    return behind, words
+
+
+def embedded_spec(cfg: RunConfig) -> estimate.ModelSpec:
+    """The shape of the embedded tiny model `posttrain run` warms up when `model.path` is null: `build_model_dir`
+    with `warmup.hidden`, `warmup.layers` and its own defaults (posttrain/apps/warmup.py), read without building it."""
+    from posttrain.models import embedded
+
+    w = cfg.warmup
+    heads = inspect.signature(embedded.build_model_dir).parameters["heads"].default
+    return estimate.ModelSpec("embedded tiny model", hidden=w.hidden, layers=w.layers, heads=heads, kv_heads=heads,
+                              intermediate=3 * w.hidden, vocab=len(embedded.SPECIALS) + len(embedded.CHARS), tied=True,
+                              head_dim=w.hidden // heads)
+
+
+def memory(cfg: RunConfig, plugin, rows: int, world: int) -> tuple[Memory | None, str]:
+    """`estimate`'s per-GPU figures for `cfg` on `world` processes, and what they assume; (None, why) when the
+    estimator cannot size this config (a model it does not know, a setting outside its range)."""
+    a, t, r = cfg.algorithm, cfg.train, cfg.rollout
+    try:
+        spec = estimate.model_spec(cfg.model.path) if cfg.model.path else embedded_spec(cfg)
+        settled, choice = config.settle_precision(cfg)
+        dtype, master = PRECISIONS[settled.train.precision]
+        group, beta = plugin.samples_per_prompt(a), getattr(a, "beta", 0.0)
+        per_item = estimate.method_profile(plugin.name, group, beta)[3]  # sequences per batch item, as it counts
+        from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
+        est = estimate.estimate(
+            spec, plugin.name, gpus=world, backend=t.backend, offload=t.offload, lora=cfg.model.lora.r,
+            batch=-(-rows // per_item), group=group, prompt_len=cfg.data.max_prompt_len,
+            response_len=cfg.data.max_response_len if from_file else r.max_new_tokens, grad_ckpt=False, dtype=dtype,
+            master_weights=master, reward_model=bool(cfg.reward_model.path), beta=beta, rollout=r.engine,
+            gpu_memory_utilization=r.gpu_memory_utilization)
+    except (UserError, KeyError) as err:
+        return None, f"not estimated: {err}"
+    shape = (f"{spec.name}: {spec.n_params:,} parameters, {spec.layers} layers, hidden {spec.hidden}, "
+             f"vocab {spec.vocab}")
+    rows_ = [MemoryRow(x.role, x.gpu_bytes, x.cpu_bytes) for x in est.rows]
+    note = (f"as `posttrain estimate` counts: {rows} sequences of {cfg.data.max_prompt_len} + "
+            f"{est.settings['response_len']} tokens in one forward (the micro-batches make the activations "
+            "smaller), no gradient checkpointing, and the larger of the KV cache and the activations")
+    return Memory(shape, f"{settled.train.precision} ({choice.reason})", est.gpu_total, est.cpu_total, rows_), note
+
+
+def as_dict(plan: Plan) -> dict:
+    """The plan as plain data (for --json), with the counts over all processes beside the per-process ones."""
+    w = plan.world_size
+    return {**dataclasses.asdict(plan), "micro_batches_per_step": plan.micro_batches_per_step,
+            "all_processes": {"batch_size": plan.batch_size * w, "rows": plan.rows * w,
+                              "sampled_rows": [s * w for s in plan.sampled_rows],
+                              "sampled_once": plan.sampled_once * w, "prompt_tokens": plan.prompt_tokens * w,
+                              "response_tokens": plan.response_tokens * w,
+                              "sampled_tokens": [s * w for s in plan.sampled_tokens]}}
+
+
+def _span(low: int, high: int) -> str:
+    return f"{low:,}" if low == high else f"{low:,} to {high:,}"
+
+
+def _n(count: int, word: str) -> str:
+    """1 epoch, 2 epochs; 2 processes, 2 minibatches."""
+    return f"{count:,} {word}" + ("" if count == 1 else "es" if word.endswith(("s", "x", "sh", "tch")) else "s")
+
+
+def _pieces(sizes: list[int], word: str) -> str:
+    """[8] -> "1 micro-batch of 8 rows"; [8, 8] -> "2 micro-batches of 8 rows each"; [8, 8, 4] -> "3 micro-batches
+    of 8, 8 and 4 rows"."""
+    many = f"{_n(len(sizes), word)} of "
+    if len(sizes) == 1:
+        return f"{many}{sizes[0]} rows"
+    if len(set(sizes)) == 1:
+        return f"{many}{sizes[0]} rows each"
+    return f"{many}{', '.join(map(str, sizes[:-1]))} and {sizes[-1]} rows"
+
+
+def _size(nbytes: int) -> str:
+    """Decimal units, as `posttrain estimate` quotes them."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale / 10:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _wrap(text: str, indent: str = "  ", first: str | None = None) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent if first is None else first, subsequent_indent=indent,
+                         break_on_hyphens=False)
+
+
+def render(plan: Plan) -> str:
+    """The plan in plain words, lines within WIDTH characters."""
+    w, p = plan.world_size, plan
+    words = SOURCES.get(p.source, ("rows", f"the {p.source} source"))[1]
+    lines = _wrap(f"{'recipe ' + p.recipe + ': ' if p.recipe else ''}{p.method} on {_n(w, 'process')} "
+                  f"(WORLD_SIZE={w}). Nothing was run: this is what each step of the run does.", "")
+    lines += [""] + _wrap(f"Data: {words} (source {p.source}).", "")
+    table = [(f"{p.batch_unit} (train.batch_size)", p.batch_size, p.batch_size)]
+    if p.on_policy:
+        table.append((f"sequences sampled ({p.samples_per_prompt} per prompt)", *p.sampled_rows))
+    table += [("sequences trained on", p.rows, p.rows), ("prompt tokens, at most", p.prompt_tokens, p.prompt_tokens),
+              ("response tokens trained on, at most", p.response_tokens, p.response_tokens)]
+    if p.on_policy:
+        table.append(("tokens sampled, at most", *p.sampled_tokens))
+    every = f"{f'all {w} processes':>22}" if w > 1 else ""
+    lines += ["", f"  {'One step':<40}{'per process':>22}{every}"]
+    for name, lo, hi in table:
+        lines.append(f"  {name:<40}{_span(lo, hi):>22}" + (f"{_span(lo * w, hi * w):>22}" if w > 1 else ""))
+    lines += _wrap(f"Token counts are bounds: every prompt at data.max_prompt_len, every response at "
+                   f"{p.response_budget}; real ones are shorter.")
+    if p.on_policy and p.sampled_rows[0] != p.sampled_rows[1]:
+        lines += _wrap("Dynamic sampling draws rounds of prompts until enough groups differ: it may sample more "
+                       "than it trains on.")
+    if p.sampled_once:
+        lines += _wrap(f"Before step 1, each process draws up to {p.sampled_once:,} samples of the starting model "
+                       "(algorithm.num_prompts × samples_per_prompt), judges and caches them; the steps draw from "
+                       "those.")
+    splits = dict.fromkeys(_pieces(m, "micro-batch") for m in p.micro_batch_rows)
+    lines += ["", "Update:"]
+    lines += _wrap(f"{_n(p.epochs, 'epoch')} (μ) × {_pieces(p.minibatch_rows, 'minibatch')} = "
+                   f"{_n(p.updates_per_step, 'optimizer step')} per batch; {_n(p.steps, 'step')} = "
+                   f"{_n(p.updates, 'optimizer step')} in the run.")
+    lines += _wrap(f"Micro-batches of at most {p.micro_batch_size} rows (train.micro_batch_size, in whole units of "
+                   f"the method): each minibatch runs as {' or '.join(splits)}, gradients adding up until its "
+                   f"optimizer step; {_n(p.micro_batches_per_step, 'forward/backward pass')} per step.")
+    if p.scored:
+        names = {"ref_logp": "reference log-probs", "old_logp": "old log-probs (the policy as it sampled)",
+                 "values": "values (the critic)"}
+        forwards = math.ceil(p.rows / p.micro_batch_size)
+        lines += _wrap(f"Before the update, scored over the whole batch, {_n(forwards, 'forward pass')} each: "
+                       + ", ".join(names[s] for s in p.scored) + ".")
+    lines += ["", "Models:"]
+    for m in p.models:
+        lines += _wrap(f"{m.origin}. {m.why[:1].upper()}{m.why[1:]}.", " " * 28, f"  {m.role:<17}{'trained' if m.trained else 'frozen':<9}")
+    if p.stages:
+        lines += ["", "Data pipeline of a step, in order:"]
+        for i, s in enumerate(p.stages, 1):
+            lines += _wrap(f"{s.key}: {s.what}.", "     ", f"  {i}. ")
+    lines += ["", "How far off-policy:"]
+    for x in p.lag:
+        lines += _wrap(f"{x}.", "    ", "  - ")
+    lines += ["", "Memory per GPU (posttrain estimate):"]
+    if p.memory is None:
+        lines += _wrap(p.memory_note)
+    else:
+        m = p.memory
+        lines += _wrap(f"{m.model}; {m.precision}.")
+        cpu = m.cpu_bytes > 0  # offloaded: a column of its own
+        lines.append(f"  {'role':<40}{'GPU':>12}" + (f"{'CPU':>12}" if cpu else ""))
+        lines += [f"  {r.role:<40}{_size(r.gpu_bytes):>12}" + (f"{_size(r.cpu_bytes):>12}" if cpu else "")
+                  for r in m.rows]
+        lines.append(f"  {'total':<40}{_size(m.gpu_bytes):>12}" + (f"{_size(m.cpu_bytes):>12}" if cpu else ""))
+        lines += _wrap(f"Counted {p.memory_note}.")
+    if p.notes:
+        lines += ["", "Notes:"]
+        for x in p.notes:
+            lines += _wrap(f"{x}.", "    ", "  - ")
+    return "\n".join(lines)
+
+
+def main(recipe: str, overrides: list[str], as_json: bool = False) -> int:
+    """`posttrain explain recipe=NAME [key=value ...] [--json]`: print the plan, return 0; bad input: UserError."""
+    cfg, _ = config.load(recipe, overrides)
+    plan = explain(cfg, recipe, world_size())
+    print(json.dumps(as_dict(plan), indent=2) if as_json else render(plan))
+    return 0

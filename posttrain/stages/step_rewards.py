@@ -1,0 +1,47 @@
+"""The step-reward stage: process supervision's rewards on the sampled tokens, for a plugin that asks for
+"step_reward" (GRPO+PS); `rewards.process` says where they come from (`steps`: the embedded task's rule per line,
+`model`: a process reward model).
+
+The judge scores each step of a completion's text (`Judge.score_steps`); the stage puts the scores on the sampled
+tokens as two [B, R] tensors in `batch.extra`: `step_reward` (each step's reward at its end token, 0 elsewhere) and
+`step_end` (1.0 at the end tokens). A step's end token is found in the sampled ids themselves
+(`posttrain.data.steps`). It runs after dynamic sampling and the elite pool, on the samples trained on only: a process
+reward model costs a forward per sample.
+"""
+
+from __future__ import annotations
+
+import time
+
+from posttrain.core.errors import ConfigError
+from posttrain.data.steps import step_tensors
+from posttrain.stages.base import Judged, Stage
+
+
+class StepRewards(Stage):
+    key = "rewards.process"
+
+    def __init__(self, score_steps, tokenizer):
+        self.score_steps, self.tokenizer = score_steps, tokenizer  # (rows, texts) -> [(char_end, score)] per sample
+
+    @staticmethod
+    def check(cfg, plugin) -> None:
+        process = cfg.rewards.process
+        if "step_reward" in plugin.needs(cfg.algorithm) and process == "none":
+            raise ConfigError(f"rewards.process: {plugin.name} trains on step rewards; set rewards.process=steps (the "
+                              "embedded task's rule) or model (a process reward model at reward_model.process_path)")
+        if process == "model" and not cfg.reward_model.process_path:
+            raise ConfigError("reward_model.process_path: rewards.process=model needs a process reward model "
+                              "directory")
+
+    @classmethod
+    def build(cls, deps) -> StepRewards | None:
+        return cls(deps.judge.score_steps, deps.tokenizer) if "step_reward" in deps.needs else None
+
+    def __call__(self, judged: Judged, more) -> Judged:
+        t0 = time.perf_counter()
+        batch = judged.batch
+        steps = self.score_steps(judged.rows, judged.texts)
+        batch.extra["step_reward"], batch.extra["step_end"] = step_tensors(self.tokenizer, batch, judged.texts, steps)
+        spent = judged.metrics.get("time/reward", 0.0) + time.perf_counter() - t0
+        return judged.replace(metrics={**judged.metrics, "time/reward": spent})

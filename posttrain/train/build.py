@@ -1,0 +1,117 @@
+"""Building a run: every part of it made once, from the validated config, before the first step.
+
+`build` loads the models (the policy; the reference, critic and reward models only when the plugin asks for what they
+give), wraps them in the backend, starts the rollout engine, makes the judge, the controllers (the state that changes
+as the run goes: posttrain.train.controllers) and the data source with its pipeline of stages, and hands them to an
+`Engine`, whose `step` only runs them. A resumed run builds the same parts, then loads the checkpoint into them.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from posttrain import judge as judges
+from posttrain import rollout
+from posttrain.backends import Backend
+from posttrain.config import algorithm_of
+from posttrain.core.memory import RoleBytes
+from posttrain.core.schedules import lr_factor
+from posttrain.data import uses_chat
+from posttrain.data.difficulty import AdaptiveGroups
+from posttrain.models import lora
+from posttrain.models.gated_mlp import lean_gated_mlps
+from posttrain.models.loading import load, stop_token_ids
+from posttrain.schema import RunConfig, cache_root, weights_dtype
+from posttrain.sources import SOURCES, Deps
+from posttrain.train.controllers import build_controllers
+from posttrain.train.engine import Engine
+
+
+def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
+          splits: tuple[list[dict], list[dict]]) -> Engine:
+    """The run's engine with all its parts.
+
+    Args:
+        cfg: the validated config (never changed after this).
+        model_path: the starting policy's directory.
+        backend: how training is distributed; `backend.precision` is the precision that runs.
+        splits: (training rows, held-out rows).
+    """
+    model_path = Path(model_path)
+    plugin = algorithm_of(cfg)
+    needs = plugin.needs(cfg.algorithm)
+    train_rows, test_rows = splits
+    t, a, adapters = cfg.train, cfg.algorithm, cfg.model.lora
+    precision = backend.precision  # as it runs: train.precision=auto resolved for the device
+    dtype, frozen = weights_dtype(precision, trained=True), weights_dtype(precision, trained=False)
+    roles = RoleBytes()
+
+    policy, tokenizer = load(model_path, dtype=dtype)
+    lean_gated_mlps(policy)  # trained models keep two of each MLP's four activations for backward
+    if adapters.r:
+        policy = lora.apply(policy, adapters, model_path)
+    uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
+    judge = judges.build(cfg, backend.device, with_reward_model="reward" in needs, place=backend.freeze,
+                         tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision)
+
+    # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
+    ref, ref_is_base = None, False
+    if "ref_logp" in needs:  # loaded only when the plugin asks for it
+        if adapters.r and cfg.model.ref_path is None:
+            ref_is_base = True
+        else:
+            ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
+
+    parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
+    updates = t.steps * plugin.epochs(a) * plugin.minibatches(a)  # optimizer steps of the run
+    schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=updates,
+                                 cycles=t.lr_cycles, floor=t.min_lr / t.lr)
+    trained_policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, schedule=schedule,
+                                   max_grad_norm=t.max_grad_norm)
+    critic = None
+    if "values" in needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
+        model, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=tokenizer,
+                        key="algorithm.critic_path" if a.critic_path else "model.path")
+        lean_gated_mlps(model)
+        if adapters.r:  # its own adapter and value head on its own copy of the base (docs/lora.md says why)
+            model = lora.apply(model, adapters, a.critic_path or model_path, kind="critic")
+        critic = backend.train(model, lr=a.critic_lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
+
+    sampler = lora.hf_model(backend.generation_model(trained_policy))  # adapters in place when adapted
+    rollouts = rollout.get(cfg.rollout.engine).start(rollout.Setup(
+        policy=sampler, model_path=model_path, pad_id=tokenizer.pad_token_id,
+        stop_ids=stop_token_ids(sampler, tokenizer), sampling=cfg.rollout, precision=precision,
+        seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * plugin.samples_per_prompt(a), cfg.eval.batch_size),
+        agree=backend.agree if backend.sharded else None))
+
+    source_cls = SOURCES.find(plugin.source)
+    if source_cls.on_policy and plugin.epochs(a) * plugin.minibatches(a) > 1:
+        # The trainer's log-probs under the sampling weights, for the mismatch and truncated IS: after the first
+        # optimizer step the update's own forward no longer gives them.
+        needs = needs | {"old_logp"}
+    controllers = build_controllers(cfg, train_rows, backend.rank, backend.world_size, tokenizer.pad_token_id)
+    r, n = cfg.rollout, plugin.samples_per_prompt(a)
+    engine = Engine(cfg=cfg, backend=backend, model_path=model_path, plugin=plugin, needs=needs, tokenizer=tokenizer,
+                     judge=judge, policy=trained_policy, ref=ref, ref_is_base=ref_is_base, critic=critic,
+                     rollout=rollouts, controllers=controllers, test_rows=test_rows, parameters=parameters, roles=roles)
+    with backend.autocast():  # sources that sample a fixed set (RFT) do it here
+        source = source_cls.from_deps(Deps(
+            tokenizer=tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=controllers.draws,
+            micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a, samples_per_prompt=n, rollout=rollouts,
+            sampling=r, judge=judge,
+            score_reference=(lambda b: engine.reference_logp(b.to(backend.device))) if engine.has_reference else None,
+            model_path=model_path, cache_dir=cache_root(cfg), agree=backend.agree, rewards=cfg.rewards,
+            needs=frozenset(needs), pass_rates=controllers.pass_rates, temperature=controllers.temperature,
+            elite=controllers.elite, reduce=lambda x, op: backend.reduce(x.to(backend.device), op),
+            group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
+                                       r.group_size_target) if r.adaptive_group_size else None))
+    engine.source = source
+    if source.scores_reference:
+        engine.ref, engine.ref_is_base = None, False  # the source holds the reference log-probs it needs
+    rm = getattr(judge.reward_model, "model", None)
+    for role, model in (("policy_weights", sampler), ("reference_weights", ref),
+                        ("critic_weights", critic and critic.module), ("reward_model_weights", rm)):
+        if model is not None:
+            roles.observe(role, backend.weight_bytes(model))
+    return engine
