@@ -25,17 +25,23 @@ def make_engine(cfg, model_dir):
     return build(cfg, model_dir, DDP(), run_splits(cfg))
 
 
+def grouped_batch(engine, cfg):
+    """Two prompts × 4 samples of the engine's policy, with fixed rewards and a reference 0.1-noisy around the
+    policy, prepared by the plugin (GRPO's group advantages): the batch the micro-batch tests split."""
+    torch.manual_seed(0)
+    batch = engine.rollout.generate([[5, 6, 7], [8, 9]], 4, max_new_tokens=6)
+    batch.reward = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
+    batch.ref_logp = engine.score(engine.ref, batch) + 0.1 * torch.randn(batch.mask.shape)
+    return engine.plugin.prepare(batch, cfg.algorithm)[0]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gradient_invariant_to_micro_batches(tiny_model_dir, tmp_path, mode):
     """Groups of 4 split across micro-batches of 3 (3 backward passes) give the gradient of the whole batch at once
     (1 backward pass)."""
     cfg, _ = make_cfg(tiny_model_dir, tmp_path, f"train.loss_agg={mode}", "algorithm.beta=0.1")
     engine = make_engine(cfg, tiny_model_dir)
-    torch.manual_seed(0)
-    batch = engine.rollout.generate([[5, 6, 7], [8, 9]], 4, max_new_tokens=6)
-    batch.reward = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-    batch.ref_logp = engine.score(engine.ref, batch) + 0.1 * torch.randn(batch.mask.shape)
-    batch, _ = engine.plugin.prepare(batch, cfg.algorithm)
+    batch = grouped_batch(engine, cfg)
     backward, calls = engine.backend.backward, []
     engine.backend.backward = lambda loss, trained: (calls.append(1), backward(loss, trained))
     grads, passes = [], []

@@ -131,15 +131,11 @@ def test_dpo_objective_is_its_loss(length_normalize):
 def test_engine_logs_the_objective_of_the_whole_step(tiny_model_dir, tmp_path):
     """GRPO with β = 0.1 on micro-batches of 3 rows: `objective` is the plugin's objective of the whole batch under
     the run's aggregation, as if it were one micro-batch, while `loss` stays the surrogate's."""
-    from test_engine import make_cfg, make_engine
+    from test_engine import grouped_batch, make_cfg, make_engine
 
     cfg, _ = make_cfg(tiny_model_dir, tmp_path, "train.loss_agg=token_mean", "algorithm.beta=0.1")
     engine = make_engine(cfg, tiny_model_dir)
-    torch.manual_seed(0)
-    batch = engine.rollout.generate([[5, 6, 7], [8, 9]], 4, max_new_tokens=6)
-    batch.reward = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1])
-    batch.ref_logp = engine.score(engine.ref, batch) + 0.1 * torch.randn(batch.mask.shape)
-    batch, _ = engine.plugin.prepare(batch, cfg.algorithm)
+    batch = grouped_batch(engine, cfg)
     engine.micro = 3
     metrics = engine.accumulate(batch, Totals.of(batch.mask))
     logp = engine.score(engine.policy.module, batch)  # [B, R] the same weights: accumulate does not step
