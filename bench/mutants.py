@@ -91,15 +91,22 @@ STAGE_LIST = ("[PassRateUpdates, OverlongPenalty, DynamicSampling, EliteReplay, 
 CONTROLLERS = ("draws", "pass_rates", "temperature", "elite", "beta", "early_stop")
 
 
+STAGE_NAMES = ("PassRateUpdates", "OverlongPenalty", "DynamicSampling", "EliteReplay", "StepRewards",
+               "AdaptiveTemperature")
+
+
 def stage_left_out(name: str) -> Mutant:
-    left = STAGE_LIST.replace(f"{name}, ", "").replace(f",\n                             {name}]", "]")
+    left = "[" + ", ".join(n for n in STAGE_NAMES if n != name) + "]"
     return m(f"stage-left-out-{name}", STAGES, "STAGES", f"the {name} stage is never built", STAGE_LIST, left)
 
 
 def controller_not_restored(name: str) -> Mutant:
+    # β under a schedule is a function of the step alone: `Controllers.at` sets it before the step reads it, so the
+    # value a checkpoint restores is overwritten unread.
+    equivalent = "β is recomputed from the step before it is read" if name == "beta" else None
     return m(f"controller-not-restored-{name}", CONTROL, "Controllers.load_state_dict",
              f"a resumed run starts its {name} controller afresh", "            c.load_state_dict(state[name])",
-             f"            if name != {name!r}:\n                c.load_state_dict(state[name])")
+             f"            if name != {name!r}:\n                c.load_state_dict(state[name])", equivalent)
 
 MUTANTS = [
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
@@ -513,8 +520,7 @@ MUTANTS = [
     m("trim-per-token-kept", BATCH, "Batch.trimmed", "per-token tensors not cut",
       "return t[:, :keep_r] if t.dim() >= 2 and t.shape[1] == R else t", "return t"),
     # posttrain/stages: the online source's pipeline; posttrain/train/controllers.py: the run's changing state
-    *[stage_left_out(name) for name in ("PassRateUpdates", "OverlongPenalty", "DynamicSampling", "EliteReplay",
-                                        "StepRewards", "AdaptiveTemperature")],
+    *[stage_left_out(name) for name in STAGE_NAMES],
     m("stage-pass-rates-after-filter", STAGES, "STAGES", "pass rates learn from the kept groups only", STAGE_LIST,
       STAGE_LIST.replace("PassRateUpdates, OverlongPenalty, DynamicSampling,",
                          "OverlongPenalty, DynamicSampling, PassRateUpdates,")),
