@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import types
 import typing
 from importlib import resources
@@ -104,7 +105,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     }[tp](value)
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
-    return float(value) if tp is float else value
+    if tp is int and not -INT_LIMIT < value < INT_LIMIT:
+        raise ConfigError(f"{key}: {value} is out of range (a 64-bit integer: magnitude below 2^63)")
+    if tp is float:  # YAML writes inf and nan as .inf and .nan, and 1e309 overflows to inf
+        try:
+            value = float(value)
+        except OverflowError:
+            value = math.inf
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    return value
+
+
+INT_LIMIT = 2**63  # what torch and numpy can hold as an integer
 
 
 # Keys that are gone, each with what replaces it: a config that still gives one is told what to write instead.
