@@ -83,7 +83,7 @@ def test_rewards_group_in_a_recipe_file(in_tmp):
                                         "(ModuleNotFoundError: No module named 'not_a_module_anywhere')"),
     ("rewards.custom={my_rewards.py: 1}", "rewards.custom.my_rewards.py: expected path/to/file.py:function"),
     ("rewards.custom.my_rewards.py:brevity=1", "rewards.custom.my_rewards: expected a weight"),
-    ("rewards.custom={my_rewards.py:brevity: .nan}", "rewards.custom.my_rewards.py:brevity: weight must be a finite"),
+    ("rewards.custom={my_rewards.py:brevity: .nan}", "rewards.custom.my_rewards.py:brevity: must be a finite number"),
     ("rewards.timeout_s=0", "rewards.timeout_s: must be > 0"),
 ], ids=["missing-file", "missing-function", "import-fails", "no-function", "dotted-key", "nan-weight", "timeout"])
 def test_bad_custom_entries_name_the_key(in_tmp, override, message):
