@@ -16,6 +16,7 @@ remaining T − w optimizer steps, with progress p = (s − w)/(T − w) in [0, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 SCHEDULES = ("constant", "cosine", "cosine_restarts")
@@ -108,8 +109,6 @@ class KLWeight:
 
     def apply(self, algorithm):
         """The plugin's config (a dataclass with a `beta` field) with this step's β."""
-        import dataclasses
-
         return dataclasses.replace(algorithm, beta=self.beta)
 
     def metrics(self) -> dict[str, float]:

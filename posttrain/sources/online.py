@@ -27,8 +27,7 @@ from posttrain.stages import Judged, Pipeline, build
 class Online(Source):
     on_policy = True
 
-    def __init__(self, deps):
-        d = deps
+    def __init__(self, d):
         self.sampler, self.tokenizer, self.data, self.batch_size = d.sampler, d.tokenizer, d.data, d.batch_size
         self.rollout, self.sampling, self.judge = d.rollout, d.sampling, d.judge
         self.group_sizes = d.group_sizes or FixedGroups(d.samples_per_prompt)
