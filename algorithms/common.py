@@ -6,7 +6,8 @@ of the methods that use them:
 
 - advantages: `group_stats`, `group_median`, `group_advantages` (GRPO and its family, and the judge's
   `rewards.normalize`); `kl_reward`, `gae`, `whiten` (PPO, REINFORCE++);
-- the clipped ratio of PPO: `clipped_coefficient` (its GC) and `clipped_objective` (its value);
+- the clipped ratio of PPO: `clipped_coefficient` (its GC), `clipped_objective` (its value) and `check_clip_range`
+  (its config);
 - the k3 KL penalty of GRPO's Eq. 4: `k3_coefficient` (its GC) and `k3_penalty` (its value);
 - the indicator of RFT and Online RFT: `indicator_coefficient`.
 """
@@ -19,6 +20,7 @@ import torch
 
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
+from posttrain.core.errors import ConfigError
 
 ADV_NORMS = ("mean_std", "median_mad", "none")
 MAD_TO_STD = 1.4826  # 1/Φ⁻¹(3/4): σ ≈ 1.4826·MAD for normal data
@@ -88,6 +90,15 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     mean = masked_mean(x, mask)  # []
     var = masked_mean((x - mean) ** 2, mask)  # []
     return (x - mean) * torch.rsqrt(var + eps) * mask  # [B, R]
+
+
+def check_clip_range(clip_eps: float, clip_eps_high: float | None) -> None:
+    """The ratio is kept in [1 − ε_low, 1 + ε_high]: DAPO's clip-higher widens the upper side (ε_high ≥ ε_low); a
+    narrower one is refused, as likely a typo for ε_low, naming both."""
+    if clip_eps_high is not None and clip_eps_high < clip_eps:
+        raise ConfigError(f"clip_eps_high: {clip_eps_high} is below clip_eps={clip_eps}; the upper bound 1 + ε_high "
+                          "clips higher than 1 − ε_low clips low (DAPO's clip-higher, e.g. 0.28 over 0.2): raise it, or "
+                          "null for clip_eps on both sides")
 
 
 def clipped_coefficient(adv, logp, old_logp, mask, clip_eps: float, clip_eps_high: float | None):

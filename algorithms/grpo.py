@@ -53,6 +53,7 @@ import torch
 from posttrain.algorithms.base import Algorithm, register
 from posttrain.algorithms.common import (
     ADV_NORMS,
+    check_clip_range,
     clipped_coefficient,
     clipped_objective,
     group_advantages,
@@ -105,6 +106,7 @@ class GRPOConfig(Freezable):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(f"{key}: must be > 0 (got {value})")
+        check_clip_range(self.clip_eps, self.clip_eps_high)
         if self.mu < 1:
             raise ConfigError(f"mu: must be ≥ 1 (got {self.mu})")
 

@@ -62,12 +62,12 @@ class GSPOConfig(GRPOConfig):
     """μ: optimizer steps on each batch; at μ = 1, s_i = 1 and GSPO's gradient is GRPO's."""
 
     def __post_init__(self):
-        super().__post_init__()
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
             # what `recipe=grpo_math algorithm.name=gspo` gives: GRPO's token ε with GSPO's sequence ε_high
             raise ConfigError(f"clip_eps_high: {self.clip_eps_high} is below clip_eps={self.clip_eps}; GSPO clips a "
                               "sequence ratio, with its own range (the paper's 3e-4 and 4e-4): use recipe=gspo_math, "
                               "or set both")
+        super().__post_init__()  # after GSPO's own range check, whose message says more than GRPO's
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.algorithms.base import Algorithm, register
-from posttrain.algorithms.common import clipped_coefficient, clipped_objective, gae, kl_reward, whiten
+from posttrain.algorithms.common import check_clip_range, clipped_coefficient, clipped_objective, gae, kl_reward, whiten
 from posttrain.core.aggregation import masked_mean
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
@@ -93,6 +93,7 @@ class PPOConfig(Freezable):
                 value = getattr(self, key)  # None (where allowed) means "off" and is always valid
                 if value is not None and not ok(value):
                     raise ConfigError(f"{key}: must be {rule} (got {value})")
+        check_clip_range(self.clip_eps, self.clip_eps_high)
 
 
 @register("ppo")

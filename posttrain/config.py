@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from posttrain.core.errors import ConfigError
@@ -166,9 +166,19 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
         where = getattr(err, "problem_mark", None)
         at = f", line {where.line + 1}" if where is not None else ""
         raise ConfigError(f"recipe {path}: cannot be read as YAML{at} ({str(err).splitlines()[0]})") from None
+    if not isinstance(base, DictConfig):  # a list, or a scalar, at the top level
+        raise ConfigError(f"recipe {path}: expected a mapping of groups (model:, data:, algorithm:, ...) at the top "
+                          f"level, got a {type(base).__name__.removesuffix('Config').lower()}")
     for item in overrides:
-        if "=" not in item:
+        key, eq, _ = item.partition("=")
+        if not (eq and key.strip()):  # no `=`, or nothing before it
             raise ConfigError(f"override {item!r}: expected key=value")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (yaml.YAMLError, OmegaConfBaseException, ValueError) as err:  # e.g. an unterminated quote
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{item.split('=', 1)[0]}: the value {item.split('=', 1)[1]!r} cannot be read as YAML "
+                              f"({problem}); check its quotes and brackets") from None
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         tree = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
@@ -191,6 +201,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
     check_normalize(cfg, plugin)
+    check_rewards_apply(cfg, plugin)
     curriculum.check(cfg, plugin)
     difficulty.check(cfg, plugin)  # per-difficulty group sizes
     stages.check(cfg, plugin)  # each stage of the online source refuses what it cannot serve
@@ -230,6 +241,42 @@ def check_normalize(cfg: RunConfig, plugin) -> None:
     if norm == "group" and plugin.samples_per_prompt(cfg.algorithm) < 2:
         raise ConfigError(f"rewards.normalize: group z-scores over a prompt's samples, and {plugin.name} with these "
                           "settings draws one per prompt (every reward would be 0); use rewards.normalize=batch")
+
+
+def users_of(need: str) -> str:
+    """The registered methods that train on `need` ("reward", "step_reward"), as a list for a message."""
+    from posttrain import algorithms
+
+    return ", ".join(sorted(name for name, p in algorithms.REGISTRY.items() if need in p.needs(p.Config())))
+
+
+def check_rewards_apply(cfg: RunConfig, plugin) -> None:
+    """A reward key the method in use never reads is refused, naming the methods that would use it: the `rewards`
+    weights, custom functions and time-out, and the reward model, weigh the samples an online method draws (SFT,
+    RFT and DPO keep or compare samples by the answer check alone); rewards.process feeds methods that train on step
+    rewards; a reward model's weight needs a reward model."""
+    needs, default = plugin.needs(cfg.algorithm), RewardsConfig()
+    if cfg.rewards.process != "none" and "step_reward" not in needs:
+        raise ConfigError(f"rewards.process: step rewards are trained on by {users_of('step_reward')}, and "
+                          f"{plugin.name} trains on none; use rewards.process=none")
+    if plugin.source != "online":
+        weights = [f"rewards.{name}" for name, w in cfg.rewards.weights.items() if default.weights.get(name) != w]
+        given = [*weights, *(["rewards.custom"] if cfg.rewards.custom else []),
+                 *(["rewards.timeout_s"] if cfg.rewards.timeout_s != default.timeout_s else []),
+                 *(["reward_model.path"] if cfg.reward_model.path is not None else []),
+                 *(["rewards"] if set(default.weights) - set(cfg.rewards.weights) else [])]
+        if given:
+            raise ConfigError(f"{given[0]}: read by the methods that score rewards ({users_of('reward')}); "
+                              f"{plugin.name} scores none (it trains on given responses or on the answer check)")
+    elif cfg.reward_model.path is not None and "reward" not in needs:
+        raise ConfigError(f"reward_model.path: {plugin.name} trains on step rewards, not on the outcome reward a reward "
+                          f"model scores; for a process reward model give reward_model.process_path")
+    if cfg.reward_model.weight != RewardModelConfig().weight and cfg.reward_model.path is None:
+        raise ConfigError("reward_model.weight: weighs the reward model's score, and no reward model is given "
+                          "(reward_model.path)")
+    if cfg.reward_model.process_path is not None and cfg.rewards.process != "model":
+        raise ConfigError("reward_model.process_path: read with rewards.process=model only (got "
+                          f"rewards.process={cfg.rewards.process})")
 
 
 def check_trackers(cfg: RunConfig) -> None:

@@ -59,14 +59,12 @@ def test_bad_world_size(monkeypatch, capsys):
 
 def test_models_follow_what_the_plugin_needs():
     """LoRA without model.ref_path: the reference is the policy with its adapter off; β = 0: no reference; a reward
-    model only for a method that trains on rewards."""
+    model for a method that trains on rewards (the config refuses one for the others)."""
     def roles(plan):
         return {m.role: m.origin for m in plan.models}
 
     assert "adapter off" in roles(plan_of("grpo_math", "model.lora.r=8"))["reference"]
     assert "reference" not in roles(plan_of("grpo_math", "algorithm.beta=0"))
-    sft = plan_of("sft_math", "reward_model.path=/rm")
-    assert "reward model" not in roles(sft) and any("reward_model.path" in n for n in sft.notes)
     assert roles(plan_of("ppo_math", "reward_model.path=/rm"))["reward model"] == "/rm"
 
 

@@ -348,8 +348,9 @@ def test_config_resolves_the_process_keys():
     cfg, resolved = config.load("grpo_ps_math", ["rewards.process=model", "reward_model.process_path=/prm"])
     assert resolved["rewards"]["process"] == "model" and resolved["reward_model"]["process_path"] == "/prm"
     assert resolved["algorithm"]["name"] == "grpo_ps"
-    cfg, _ = config.load("grpo_math", ["rewards.process=steps"])  # unused by GRPO, accepted
-    assert cfg.rewards.process == "steps"
+    with pytest.raises(ConfigError, match="rewards.process: step rewards are trained on by grpo_ps, and grpo trains "
+                       "on none"):  # a key GRPO would ignore is refused (tests/test_bad_input_config.py)
+        config.load("grpo_math", ["rewards.process=steps"])
 
 
 def run_metrics(out):

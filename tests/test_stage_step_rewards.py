@@ -34,7 +34,8 @@ def test_off_unless_the_plugin_asks():
 
 @pytest.mark.parametrize("overrides, message", [
     (["algorithm.name=grpo_ps"], "rewards.process: grpo_ps trains on step rewards"),
-    (["rewards={accuracy: 1.0, process: model}"], "reward_model.process_path: rewards.process=model needs"),
+    (["algorithm.name=grpo_ps", "rewards={accuracy: 1.0, process: model}"],
+     "reward_model.process_path: rewards.process=model needs"),
 ])
 def test_refusals(overrides, message):
     with pytest.raises(ConfigError, match=message):

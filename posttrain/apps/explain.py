@@ -225,8 +225,6 @@ def models(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[list[
     if "reward" in needs and rm.path:
         out.append(Model("reward model", rm.path, False, f"its score × reward_model.weight={rm.weight:g} is added "
                          "to the rule rewards"))
-    elif rm.path:
-        notes.append(f"reward_model.path is set, but {name} does not train on rewards: not loaded")
     if "step_reward" in needs and cfg.rewards.process == "model":
         out.append(Model("process reward model", rm.process_path, False, "scores each step of the samples trained "
                          "on (rewards.process=model)"))

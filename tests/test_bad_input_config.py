@@ -1,0 +1,102 @@
+"""Bad input that the config refuses before any work, through the real CLI in this process (`posttrain_here`): recipes
+and overrides that are not YAML mappings, and keys that cannot take effect for the method in use. Each case is one
+line naming the culprit, exit status 2. Also what `posttrain config` and `--help` must show."""
+
+from __future__ import annotations
+
+import pytest
+from cli_helpers import assert_one_line_error, posttrain_here
+
+from posttrain import algorithms
+from posttrain.apps.cli import METHODS
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+RECIPES = [  # (file text, fragment): recipe files that are YAML but not a mapping of groups
+    ("- a\n- b\n", "expected a mapping of groups (model:, data:, algorithm:, ...) at the top level, got a list"),
+    ("3\n", "cannot be read as YAML"),
+]
+
+
+@pytest.mark.parametrize("text, fragment", RECIPES, ids=["list", "scalar"])
+def test_a_recipe_that_is_not_a_mapping(tmp_path, text, fragment):
+    path = write(tmp_path, "mine.yaml", text)
+    assert_one_line_error(posttrain_here("run", f"recipe={path}", f"output_dir={tmp_path / 'o'}"), path, fragment)
+    assert not (tmp_path / "o").exists()
+
+
+OVERRIDES = [  # (override, fragment): values that are not YAML
+    ('algorithm.beta="0.1', "algorithm.beta: the value '\"0.1' cannot be read as YAML (found unexpected end of stream)"),
+    ("train.beta_values=[0.1,", "train.beta_values: the value '[0.1,' cannot be read as YAML"),
+    ("rewards={accuracy: 1", "rewards: the value '{accuracy: 1' cannot be read as YAML"),
+    ("=3", "override '=3': expected key=value"),
+]
+
+
+@pytest.mark.parametrize("override, fragment", OVERRIDES, ids=["quote", "bracket", "brace", "no-key"])
+def test_an_override_that_is_not_yaml(tmp_path, override, fragment):
+    assert_one_line_error(posttrain_here("run", "recipe=grpo_math", override, f"output_dir={tmp_path / 'o'}"),
+                          fragment)
+
+
+IGNORED = [  # (recipe, override, fragments): a key the method would never read
+    ("grpo_math", "rewards.process=steps", ["rewards.process: step rewards are trained on by grpo_ps", "grpo trains"]),
+    ("ppo_math", "rewards.process=model", ["rewards.process: step rewards are trained on by grpo_ps", "ppo trains"]),
+    ("sft_math", "rewards.process=steps", ["rewards.process:", "sft trains on none"]),
+    ("sft_math", "rewards.format=0.5", ["rewards.format: read by the methods that score rewards (grpo, gspo,",
+                                        "sft scores none"]),
+    ("rft_math", "rewards.format=0.5", ["rewards.format:", "rft scores none"]),
+    ("dpo_math", "rewards={format: 1.0}", ["rewards.format:", "dpo scores none"]),
+    ("sft_math", "rewards.timeout_s=3", ["rewards.timeout_s:", "sft scores none"]),
+    ("sft_math", "rewards.custom={my.py:f: 1.0}", ["rewards.custom:", "sft scores none"]),
+    ("sft_math", "reward_model.path=/nowhere", ["reward_model.path:", "sft scores none"]),
+    ("grpo_ps_math", "reward_model.path=/nowhere", ["reward_model.path: grpo_ps trains on step rewards",
+                                                    "reward_model.process_path"]),
+    ("grpo_math", "reward_model.weight=3", ["reward_model.weight:", "no reward model is given"]),
+    ("grpo_math", "reward_model.process_path=/nowhere", ["reward_model.process_path: read with rewards.process=model"]),
+    ("grpo_math", "algorithm.clip_eps_high=0.1", ["algorithm.clip_eps_high: 0.1 is below clip_eps=0.2"]),
+    ("ppo_math", "algorithm.clip_eps_high=0.1", ["algorithm.clip_eps_high: 0.1 is below clip_eps=0.2"]),
+    ("dapo_math", "algorithm.clip_eps=0.3", ["algorithm.clip_eps_high: 0.28 is below clip_eps=0.3"]),
+    ("gspo_math", "algorithm.clip_eps_high=1e-4", ["algorithm.clip_eps_high:", "GSPO clips a sequence ratio"]),
+]
+
+
+@pytest.mark.parametrize("recipe, override, fragments", IGNORED, ids=[f"{r}-{o}" for r, o, _ in IGNORED])
+def test_a_key_the_method_would_ignore(tmp_path, recipe, override, fragments):
+    assert_one_line_error(posttrain_here("run", f"recipe={recipe}", override, f"output_dir={tmp_path / 'o'}"),
+                          *fragments)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.parametrize("recipe, override", [
+    ("grpo_math", "rewards.format=0.5"), ("grpo_ps_math", "rewards.format=0.5"),  # logged beside the step rewards
+    ("grpo_math", "algorithm.clip_eps_high=0.28"), ("ppo_math", "algorithm.clip_eps_high=0.2"),
+    ("sft_math", "rewards.accuracy=1.0"), ("grpo_ps_math", "rewards.process=steps"),
+])
+def test_keys_the_method_reads_are_kept(recipe, override):
+    proc = posttrain_here("config", f"recipe={recipe}", override)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_config_shows_the_rule_rewards_left_out():
+    """`posttrain config` shows every key: a registered rule reward not weighed in is a comment, not absent."""
+    shown = posttrain_here("config", "recipe=grpo_math").stdout
+    group = shown[shown.index("\nrewards:\n"):].split("\n")[2:5]
+    assert group == ["  accuracy: 1.0", "  # format: off (a registered rule reward; rewards.format=0.1 weighs it in)",
+                     "  custom: {}"]
+    assert "# format" not in posttrain_here("config", "recipe=grpo_math", "rewards.format=0.5").stdout
+    assert "# format" not in posttrain_here("config", "recipe=sft_math").stdout  # SFT scores no reward
+
+
+def test_help_names_every_registered_method():
+    """`posttrain --help` lists the methods by their papers' names; one registered later must be added to it."""
+    names = {"sft": "SFT", "rft": "RFT", "online_rft": "Online RFT", "dpo": "DPO", "ppo": "PPO", "grpo": "GRPO",
+             "grpo_ps": "GRPO+PS", "gspo": "GSPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+    assert set(algorithms.REGISTRY) == set(names)
+    listed = [m.split(" (")[0] for m in METHODS.split(";")[0].split(", ")]
+    assert sorted(listed) == sorted(names.values())
+    assert METHODS in " ".join(posttrain_here("--help").stdout.split())
