@@ -186,7 +186,10 @@ def parser() -> argparse.ArgumentParser:
                          "[seeds=N] [output_dir=runs/compare] [overwrite=true] [key=value ...]. Each recipe runs in "
                          "its own process with the same overrides (seed, model, task, step budget), N times with "
                          "seeds=N (figures then mean ± sd); writes compare.md, compare.json and compare.png to "
-                         "output_dir. See docs/compare.md.", epilog=EPILOG)
+                         "output_dir. Without steps=N every run trains a full budget, the smallest train.steps among "
+                         "the recipes (60 for ppo_math grpo_math, 140 for grpo_math and its variants), evaluated on "
+                         "the held-out problems every steps // 5 steps, one run after another: minutes, not seconds; "
+                         "steps=2 is a quick try. See docs/compare.md.", epilog=EPILOG)
     cmp.add_argument("items", nargs="*", metavar="RECIPE ... key=value")
     cmp.set_defaults(func=cmd_compare)
     rep = sub.add_parser("reproduce", help="DeepSeekMath's Figure 5 or Figure 7 at toy scale, with seeds",
@@ -194,7 +197,11 @@ def parser() -> argparse.ArgumentParser:
                          "GRPO+PS on one budget, held-out accuracy against step. posttrain reproduce figure7 [seeds=3] "
                          "[steps=140] [k=64] [problems=200]: Maj@K and Pass@K before and after GRPO. Both take "
                          "[output_dir=DIR] [overwrite=true] and run overrides, and write a report (figureN.md, .png, "
-                         ".json) to output_dir. See docs/reproduction.md.", epilog=EPILOG)
+                         ".json) to output_dir. Without seeds= and steps= both run their full budgets: figure5 12 "
+                         "runs (4 methods x 3 seeds) of 100 steps of 256 samples; figure7 3 GRPO runs of 140 steps, "
+                         "each with 64 samples of 200 held-out problems before and after: minutes, not seconds; "
+                         "seeds=1 steps=2 is a quick try. See docs/reproduction.md for the times and results.",
+                         epilog=EPILOG)
     rep.add_argument("figure", metavar="figure5|figure7")
     rep.add_argument("items", nargs="*", metavar="key=value")
     rep.set_defaults(func=cmd_reproduce)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from posttrain.core.errors import UserError
+from posttrain.core.outputs import check_writable
 
 DEFAULT_RECIPE = "grpo_math"  # its data, template, rollout settings and evaluation budget
 
@@ -29,8 +30,11 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     if len(recipes) > 1:
         raise UserError("recipe: give at most one recipe=NAME_OR_PATH")
     out = Path(output)
+    if out.is_dir():
+        raise UserError(f"-o: '{out}' is a directory; give the report's file name, e.g. -o {out / 'eval.json'}")
     if out.exists():
         raise UserError(f"{out}: already exists; remove it or give another with --output")
+    check_writable(out, "-o")  # before the evaluation, not after it; missing directories are made when writing
     cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE,
                          [i for i in items if not i.startswith("recipe=")] + [f"model.path={model}"])
     e, sampling = cfg.eval, cfg.rollout
@@ -61,6 +65,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
               "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}
     report.pop("examples")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps(report, indent=1))
     os.replace(tmp, out)  # whole or not at all

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from posttrain.apps.spread import Spread, beyond, mean_of, sd_of
 from posttrain.core.errors import UserError
+from posttrain.core.outputs import check_output_dir
 
 FIGURE5 = {"rft": "rft_math", "online_rft": "online_rft_math", "grpo": "grpo_math", "grpo_ps": "grpo_ps_math"}
 LABELS = {"rft": "RFT", "online_rft": "Online RFT", "grpo": "GRPO", "grpo_ps": "GRPO+PS"}
@@ -69,8 +70,10 @@ def settings_of(figure: str, items: list[str]) -> tuple[dict, list[str]]:
                 raise UserError(f"{key}={own[key]}: must be ≥ 1")
     if own["overwrite"] not in ("true", "false"):
         raise UserError(f"overwrite={own['overwrite']}: expected true or false")
-    out = Path(own["output_dir"])
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and own["overwrite"] != "true":
+    out = check_output_dir(own["output_dir"], example=f"runs/{figure}")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir: '{out}' is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and own["overwrite"] != "true":
         raise UserError(f"output_dir: '{out}' is not empty; pass overwrite=true or another output_dir=…")
     own["output_dir"] = out
     return own, passed

@@ -3,6 +3,10 @@
 RL needs a policy that sometimes succeeds. With no model given, posttrain builds the tiny Llama of
 `posttrain.models.embedded`, trains it with SFT on the embedded task for `warmup.steps` steps, and keeps the result under
 the cache directory, keyed by everything that shapes it; every recipe then starts from the same weights.
+
+A warm-up writes `warmup-<key>.partial` and holds an exclusive lock on `warmup-<key>.lock` while it does (`flock`):
+a second process with the same key waits for it and then finds the model cached, and a `.partial` whose lock nobody
+holds was left by a warm-up that was interrupted, and is removed at the next start (`clean_stale`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -18,11 +24,18 @@ from pathlib import Path
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import run_device
 from posttrain.core import precision
+from posttrain.core.errors import ConfigError
 from posttrain.models.embedded import build_model_dir
 from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.train import run
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; warm-ups are not locked there, and nothing is cleaned
+    fcntl = None
+
 VERSION = 1  # bump when the embedded model or task changes, so stale caches are not reused
+PARTIAL = re.compile(r"warmup-([0-9a-f]{12})\.partial")
 
 
 def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
@@ -48,14 +61,70 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     key_fields = {"version": VERSION, "warmup": warm,
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_root(cfg) / f"warmup-{key}"
+    root = cache_root(cfg)
+    out = root / f"warmup-{key}"
+    clean_stale(root)
     if (out / "model" / "config.json").is_file():
         return out / "model", {"cached": True, "path": str(out / "model")}
-    if not quiet:
-        print(f"posttrain: warming up the embedded tiny model with {w.steps} SFT steps (cached in {out})",
-              file=sys.stderr)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
-        run(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = _lock(root / f"warmup-{key}.lock", wait=False)
+        if lock is None:
+            if not quiet:
+                print(f"posttrain: waiting for another process's warm-up of the same model ({out})", file=sys.stderr)
+            lock = _lock(root / f"warmup-{key}.lock", wait=True)
+    except OSError as err:
+        raise ConfigError(f"warmup.cache_dir: cannot write the warm-up cache '{root}' ({err.strerror or err}); set "
+                          "warmup.cache_dir or $POSTTRAIN_CACHE to a writable directory") from None
+    with lock:
+        if (out / "model" / "config.json").is_file():  # the other process's, finished while this one waited
+            return out / "model", {"cached": True, "path": str(out / "model")}
+        if not quiet:
+            print(f"posttrain: warming up the embedded tiny model with {w.steps} SFT steps (cached in {out})",
+                  file=sys.stderr)
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
+            run(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Removes the `warmup-<key>.partial` directories that interrupted warm-ups left in the cache `root`; returns them.
+
+    A warm-up holds the lock on `warmup-<key>.lock` while it writes its `.partial`, so a `.partial` whose lock can be
+    taken has no writer left: the kernel drops a lock when its process ends, killed or not. A lock rather than a pid
+    in the name (pids are reused, and mean nothing to another container or machine sharing the cache) or an age (a
+    slow warm-up outlasts any limit, and a directory's time does not change while files deeper in it are written).
+    """
+    removed = []
+    for partial in sorted(root.glob("warmup-*.partial")) if fcntl is not None and root.is_dir() else ():
+        if not (match := PARTIAL.fullmatch(partial.name)) or not partial.is_dir():
+            continue
+        try:
+            lock = _lock(root / f"warmup-{match[1]}.lock", wait=False)
+        except OSError:  # a cache this process cannot write: leave it as it is
+            continue
+        if lock is None:  # being written now
+            continue
+        with lock:
+            shutil.rmtree(partial, ignore_errors=True)
+        removed.append(partial)
+    return removed
+
+
+def _lock(path: Path, wait: bool):
+    """`path` opened and locked exclusively (`flock`: released when the file is closed or its process ends), or None
+    when `wait` is false and the lock is not this process's: another holds it, or the filesystem has no locks (some
+    network ones), where waiting gets the file unlocked, as it is without fcntl."""
+    f = open(path, "a")
+    if fcntl is None:
+        return f
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # BlockingIOError: held by another process; others: no locks here
+        if wait:
+            return f
+        f.close()
+        return None
+    return f

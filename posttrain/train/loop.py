@@ -21,6 +21,7 @@ from posttrain.core import precision
 from posttrain.core.errors import ConfigError, TrainingError
 from posttrain.core.heap import limit_malloc_arenas
 from posttrain.core.threads import ThreadFit
+from posttrain.data.lengths import long_prompts
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
@@ -85,6 +86,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
             print(f"posttrain: train.precision=auto runs {chose.precision}: {chose.reason}", file=sys.stderr)
         elif requested != "auto" and (warning := precision.emulation_warning(cfg.train.precision, run_device())):
+            print(f"posttrain: warning: {warning}", file=sys.stderr)
+        if warning := long_prompts(engine.tokenizer, *splits, cfg):  # once, over the data, not in the loop
             print(f"posttrain: warning: {warning}", file=sys.stderr)
         if not quiet:
             what = f"resuming from step {start} of " if checkpoint is not None else ""

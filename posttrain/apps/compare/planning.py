@@ -15,6 +15,7 @@ from pathlib import Path
 
 from posttrain import config
 from posttrain.core.errors import ConfigError, UserError
+from posttrain.core.outputs import check_output_dir
 
 OWN_KEYS = ("output_dir", "overwrite", "steps", "eval_every", "seeds")
 ALIGNED = ("model.", "warmup.", "data.", "rollout.", "rewards.", "reward_model.", "eval.max_new_tokens")
@@ -87,7 +88,7 @@ def plan(argv: list[str]) -> Plan:
     overwrite = settings.get("overwrite", "false").lower()
     if overwrite not in ("true", "false"):
         raise UserError(f"overwrite={settings['overwrite']}: expected true or false")
-    out = Path(settings.get("output_dir", "runs/compare"))
+    out = check_output_dir(settings.get("output_dir", "runs/compare"), example="runs/compare")
     if out.exists() and not out.is_dir():
         raise UserError(f"output_dir: '{out}' is a file, not a directory")
     if out.is_dir() and any(out.iterdir()) and overwrite != "true":
