@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -109,9 +110,19 @@ def test_warmup_is_cached(tmp_path):
     first = posttrain("run", *args, f"output_dir={tmp_path / 'a'}")
     assert first.returncode == 0, first.stderr
     assert "warming up" in first.stderr
-    second = posttrain("run", *args, f"output_dir={tmp_path / 'b'}")
+    second = posttrain("run", *args, f"output_dir={tmp_path / 'b'}", "model.lora.r=4")  # a LoRA run on the cached base
     assert second.returncode == 0 and "warming up" not in second.stderr
-    assert json.loads((tmp_path / "b" / "summary.json").read_text())["warmup"]["cached"] is True
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["warmup"]["cached"] is True and summary["adapter_base"]["copy"] == "base_model"
+    # its adapter evaluates with the cache cleared and the run directory moved, from another directory
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "b").rename(tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    proc = posttrain("eval", tmp_path / "moved" / "model", "eval.num_problems=4", "rollout.max_new_tokens=6",
+                     cwd=tmp_path / "elsewhere")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "elsewhere" / "eval.json").read_text())
+    assert report["adapter_base"] == str((tmp_path / "moved" / "base_model").resolve())
 
 
 def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):

@@ -75,6 +75,7 @@ def test_metrics_average_every_update(tiny_model_dir, tmp_path):
     assert len(seen) == 4 and len({float(u["ratio"]) for u in seen}) > 1
     for key in ("loss", "ratio", "grad_norm", "value_error", "critic_loss"):
         assert metrics[key] == pytest.approx(sum(float(u[key]) for u in seen) / 4, rel=1e-5)
+    assert metrics["beta"] == cfg.algorithm.beta  # logged for every method with a KL penalty, scheduled or not
 
 
 def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):

@@ -25,6 +25,11 @@ from posttrain.core.heap import limit_malloc_arenas
 EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.steps=50 rollout.temperature=0.7;
 `posttrain config recipe=NAME` shows every key with its value. Exit status: 0 done, 2 bad input, 1 internal error."""
 
+# The registered methods (algorithm.name), by their papers' names; written out, as importing the plugins would cost
+# `--help` the second torch takes (tests/test_cli.py checks it against the registry).
+METHODS = ("SFT, RFT, Online RFT, DPO, PPO, GRPO, GRPO+PS (process supervision), GSPO, RLOO, REINFORCE++; DAPO and "
+           "Dr. GRPO as GRPO recipes")
+
 
 def _split_recipe(items: list[str]) -> tuple[str, list[str]]:
     recipes = [i.split("=", 1)[1] for i in items if i.startswith("recipe=")]
@@ -53,9 +58,23 @@ def cmd_config(args) -> int:
     recipe, overrides = _split_recipe(args.overrides)
     from posttrain import config
 
-    _, resolved = config.load(recipe, overrides)
-    print(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True, width=1000), end="")
+    cfg, resolved = config.load(recipe, overrides)
+    text = yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True, width=1000)
+    at = text.index("\n  custom:", text.index("\nrewards:\n")) + 1  # after the weights
+    print(text[:at] + "".join(off_rewards(cfg)) + text[at:], end="")
     return 0
+
+
+def off_rewards(cfg) -> list[str]:
+    """A comment line for each registered rule reward the config leaves out (weight 0, not computed), so that
+    `posttrain config` shows every key there is; none for a method that scores no reward."""
+    from posttrain import config
+    from posttrain.rewards import REWARDS
+
+    if config.algorithm_of(cfg).source != "online":
+        return []
+    return [f"  # {name}: off (a registered rule reward; rewards.{name}=0.1 weighs it in)\n" for name in REWARDS
+            if name not in cfg.rewards.weights]
 
 
 def cmd_explain(args) -> int:
@@ -104,7 +123,7 @@ def cmd_run(args) -> int:
 def cmd_eval(args) -> int:
     from posttrain.apps import evaluate
 
-    report = evaluate.main(args.model, args.overrides, output=args.output, quiet=args.quiet)
+    report = evaluate.main(args.model, args.overrides, output=args.output, quiet=args.quiet, base=args.base)
     print(evaluate.summary_line(report))
     print(f"per-problem records in {args.output}")
     return 0
@@ -136,7 +155,7 @@ def cmd_env(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
-                                "over one shared engine: SFT, RFT, Online RFT, DPO, PPO, GRPO.", epilog=EPILOG)
+                                f"over one shared engine: {METHODS}.", epilog=EPILOG)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train with a recipe", description="Train: posttrain run recipe=grpo_math "
                          "[key=value ...]. Writes config.yaml, metrics.jsonl, summary.json and the final model "
@@ -163,7 +182,8 @@ def parser() -> argparse.ArgumentParser:
     rec.set_defaults(func=cmd_recipes)
     ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a model on held-out problems",
                         description="Evaluate a model: posttrain eval MODEL_DIR [recipe=NAME] [eval.k=8 eval.n=16 "
-                        "eval.num_problems=N data.test_path=… rollout.temperature=…]. Greedy accuracy, and with "
+                        "eval.num_problems=N data.test_path=… rollout.temperature=…]; MODEL_DIR is a model directory or a LoRA "
+                        "run's model/ (an adapter, merged into its base). Greedy accuracy, and with "
                         "eval.k pass@k (unbiased, from eval.n ≥ k samples per problem) and maj@k (majority vote over "
                         "the final answers of k samples), on the recipe's held-out problems (grpo_math's embedded "
                         "task by default). Writes per-problem records to eval.json.", epilog=EPILOG)
@@ -171,6 +191,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*", metavar="key=value")
     ev.add_argument("-o", "--output", default="eval.json", help="where to write the report (default: eval.json; "
                     "an existing file is never replaced)")
+    ev.add_argument("--base", metavar="DIR", help="for a LoRA adapter (a LoRA run's model/): its base model, when "
+                    "neither the run's base_model/ copy beside it nor the directory its adapter_config.json names is "
+                    "there")
     ev.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
     est = sub.add_parser("estimate", help="per-GPU memory of SFT, DPO, PPO and GRPO for a model and GPU count",

@@ -15,11 +15,15 @@ from posttrain.core.outputs import check_writable
 DEFAULT_RECIPE = "grpo_math"  # its data, template, rollout settings and evaluation budget
 
 
-def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool = False) -> dict:
-    """Evaluates `model`, writes `output` (never over an existing file) and returns what it wrote."""
+def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool = False,
+         base: str | None = None) -> dict:
+    """Evaluates `model`, writes `output` (never over an existing file) and returns what it wrote. A LoRA adapter
+    directory (a LoRA run's model/) is evaluated merged into its base: `base`, else the one the run names
+    (`posttrain.models.lora.adapter_base`)."""
     from posttrain import config, judge, rollout
     from posttrain.backends.ddp import DDP
     from posttrain.data import prompt_texts, uses_chat
+    from posttrain.models import lora
     from posttrain.models.loading import load, stop_token_ids
     from posttrain.schema import weights_dtype
     from posttrain.sources import run_splits
@@ -35,8 +39,12 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     if out.exists():
         raise UserError(f"{out}: already exists; remove it or give another with --output")
     check_writable(out, "-o")  # before the evaluation, not after it; missing directories are made when writing
+    adapter = Path(model) if lora.is_adapter(model) else None
+    if base is not None and adapter is None:
+        raise UserError(f"--base: '{model}' is a whole model, not a LoRA adapter; --base names an adapter's base")
+    weights = lora.adapter_base(adapter, base) if adapter is not None else Path(model)  # what the config loads
     cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE,
-                         [i for i in items if not i.startswith("recipe=")] + [f"model.path={model}"])
+                         [i for i in items if not i.startswith("recipe=")] + [f"model.path={weights}"])
     e, sampling = cfg.eval, cfg.rollout
     if e.num_problems == 0:
         raise UserError("eval.num_problems: 0 leaves nothing to evaluate")
@@ -46,21 +54,25 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     rows = run_splits(cfg)[1][: e.num_problems]
     cfg, _ = config.settle_precision(cfg)  # `auto` resolved for this device
     backend = DDP(precision=cfg.train.precision)
-    policy, tokenizer = load(model, dtype=weights_dtype(cfg.train.precision, trained=True))
+    dtype = weights_dtype(cfg.train.precision, trained=True)
+    policy, tokenizer = load(model, dtype=dtype) if adapter is None else lora.load_merged(adapter, weights, dtype)
     uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails before any work
     policy = backend.place(policy.eval().requires_grad_(False).to(backend.device))
     n = (e.n or e.k) if e.k else 0
     engine = rollout.get(sampling.engine).start(rollout.Setup(
-        policy=policy, model_path=Path(model), pad_id=tokenizer.pad_token_id,
+        policy=policy, model_path=weights, pad_id=tokenizer.pad_token_id,
         stop_ids=stop_token_ids(policy, tokenizer), sampling=sampling, precision=cfg.train.precision, seed=cfg.seed,
         max_seqs=e.batch_size * max(n, 1)))
+    if adapter is not None and not engine.colocated:  # an engine with its own weights (vLLM) started from the base
+        engine.load_weights(policy.named_parameters())
     with Progress(len(rows), enabled=not quiet, unit="problems") as bar, backend.autocast():
         the_judge = judge.build(cfg, backend.device, with_reward_model=False, tokenizer=tokenizer)
         result = evaluate(engine, the_judge, tokenizer, rows, cfg.data,
                           max_new_tokens=e.max_new_tokens or sampling.max_new_tokens, batch_size=e.batch_size,
                           k=e.k, n=e.n, temperature=sampling.temperature, top_p=sampling.top_p, records=True,
                           progress=lambda done: bar.update({"step": done}))
-    report = {"model": str(Path(model).resolve()), "rollout_engine": engine.name,
+    merged = {"adapter_base": str(weights.resolve())} if adapter is not None else {}  # what the adapter was merged into
+    report = {"model": str(Path(model).resolve()), **merged, "rollout_engine": engine.name,
               "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
               "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}

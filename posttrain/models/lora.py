@@ -13,12 +13,14 @@ peft is imported only when a run asks for LoRA.
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from posttrain.core.errors import UserError
 from posttrain.schema import LoraConfig
 
 TASKS = {"causal_lm": "CAUSAL_LM", "critic": "TOKEN_CLS"}  # peft's task types: TOKEN_CLS also trains the value head
@@ -131,3 +133,49 @@ def save_merged(model: torch.nn.Module, path: Path, state: dict[str, torch.Tenso
     if state is None:
         state = {name: tensor.detach().contiguous() for name, tensor in merged_weights(model)}
     base.save_pretrained(path, state_dict=state, safe_serialization=True)
+
+
+BASE_COPY = "base_model"  # beside model/ in a run directory: the embedded base a LoRA run adapted, copied (a few MB)
+
+
+def is_adapter(path: str | Path) -> bool:
+    """Whether `path` holds a LoRA adapter (adapter_config.json) rather than a whole model (config.json)."""
+    path = Path(path)
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def adapter_base(adapter: Path, base: str | Path | None = None) -> Path:
+    """The base model directory of the adapter at `adapter`: `base` when given; else the run's own copy beside it
+    (`../base_model`, written when the base was the embedded model, so a run directory moved or a cache cleared
+    still evaluates); else the directory its adapter_config.json names. Raises UserError, naming what is missing."""
+    if base is not None:
+        if not (Path(base) / "config.json").is_file():
+            raise UserError(f"--base: '{base}' is not a Hugging Face model directory (no config.json)")
+        return Path(base)
+    copy = adapter.parent / BASE_COPY
+    if (copy / "config.json").is_file():
+        return copy
+    try:
+        named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{adapter}: adapter_config.json cannot be read for its base model ({err})") from None
+    if not (Path(str(named)) / "config.json").is_file():
+        raise UserError(f"{adapter}: a LoRA adapter whose base model '{named}' (named in adapter_config.json) is not "
+                        "there; give the base with --base DIR, or evaluate merged_model/")
+    return Path(str(named))
+
+
+def load_merged(adapter: Path, base: Path, dtype: str):
+    """The base at `base` with the adapter at `adapter` merged in, as a plain transformers model, and its tokenizer
+    (the base's, which the run saved beside the adapter too)."""
+    import peft
+
+    from posttrain.models.loading import load
+
+    model, tokenizer = load(base, dtype=dtype, key="--base")
+    try:
+        adapted = peft.PeftModel.from_pretrained(model, adapter)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:  # a shape or name that is not this base's
+        raise UserError(f"{adapter}: the adapter does not load onto the base '{base}' "
+                        f"({str(err).splitlines()[0][:300]})") from None
+    return adapted.merge_and_unload(), tokenizer

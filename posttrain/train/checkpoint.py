@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from posttrain.core.errors import ConfigError
+from posttrain.models.lora import BASE_COPY
 
 TRAINING_STATE, RUN_STATE = "training_state", "trainer_state.json"
 STEP_DIR = re.compile(r"step_(\d+)")
@@ -97,8 +98,13 @@ class Checkpoints:
 
     def final(self, engine) -> Path:
         save_model(engine, self.root / "model")
-        if engine.cfg.model.lora.r and engine.cfg.model.lora.merge:
+        lora = engine.cfg.model.lora
+        if lora.r and lora.merge:
             engine.backend.save(engine.policy, engine.tokenizer, self.root / "merged_model", merged=True)
+        if lora.r and engine.cfg.model.path is None and engine.backend.is_main:
+            # The adapter's base is the embedded model, warmed up in the cache: a copy of it (a few MB) keeps the
+            # run directory evaluable when moved or when the cache is cleared (`posttrain.models.lora.adapter_base`).
+            shutil.copytree(engine.model_path, self.root / BASE_COPY, dirs_exist_ok=True)
         return self.root / "model"
 
 
@@ -155,8 +161,8 @@ def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict
     changed = differences(run_state["config"], resolved)
     if changed:
         key, old, new = changed[0]
-        raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only how long it runs "
-                          "(train.steps) and how it saves (train.save_every, train.keep_checkpoints) may change")
+        raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only these may change: "
+                          f"{', '.join(MAY_CHANGE)}")
     return run_state
 
 

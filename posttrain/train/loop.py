@@ -68,6 +68,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     summary["rollout_engine"] = engine.rollout.name  # the engine that really started
     summary["weight_sync"] = engine.weight_sync  # none (colocated), full, or merged (LoRA)
     summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
+    if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
+        summary["adapter_base"] = {"path": str(Path(model_path).resolve()),
+                                   "copy": checkpoints.BASE_COPY if cfg.model.path is None else None}
     start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
     if checkpoint is not None:
         start, elapsed = state["step"], state["wall_seconds"]
