@@ -103,6 +103,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         str: lambda v: isinstance(v, str),
     }[tp](value)
+    if value is None:  # `key=` on the command line, or `key:` in a recipe
+        raise ConfigError(f"{key}: empty; give a value ({_type_name(tp)}), e.g. {key}=...")
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is int and not -INT_LIMIT < value < INT_LIMIT:

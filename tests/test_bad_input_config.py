@@ -34,10 +34,12 @@ OVERRIDES = [  # (override, fragment): values that are not YAML
     ("train.beta_values=[0.1,", "train.beta_values: the value '[0.1,' cannot be read as YAML"),
     ("rewards={accuracy: 1", "rewards: the value '{accuracy: 1' cannot be read as YAML"),
     ("=3", "override '=3': expected key=value"),
+    ("rollout.engine=", "rollout.engine: empty; give a value (str), e.g. rollout.engine=..."),
+    ("train.steps=", "train.steps: empty; give a value (int)"),
 ]
 
 
-@pytest.mark.parametrize("override, fragment", OVERRIDES, ids=["quote", "bracket", "brace", "no-key"])
+@pytest.mark.parametrize("override, fragment", OVERRIDES, ids=["quote", "bracket", "brace", "no-key", "empty-str", "empty-int"])
 def test_an_override_that_is_not_yaml(tmp_path, override, fragment):
     assert_one_line_error(posttrain_here("run", "recipe=grpo_math", override, f"output_dir={tmp_path / 'o'}"),
                           fragment)
