@@ -109,9 +109,11 @@ class DataConfig(Freezable):
     solution with a `\\boxed{}` answer, checked with math-verify) or embedded (the built-in task, no path); null:
     embedded without `path` or `test_path`, gsm8k with either. The keys below that are null take the preset's value."""
     path: str | None = None
-    """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk); null: the embedded task."""
+    """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk: of a DatasetDict, its train
+    split; name a split's own directory, DIR/validation, for another); null: the embedded task."""
     test_path: str | None = None
-    """Held-out rows for evaluation, same format; null with `path` set: the last `eval.num_problems` rows of `path`."""
+    """Held-out rows for evaluation, same format (of a DatasetDict, its test split); null with `path` set: the last
+    `eval.num_problems` rows of `path`."""
     prompt_field: str | None = None
     """Field holding the question (gsm8k, embedded: question; math: problem)."""
     response_field: str | None = None

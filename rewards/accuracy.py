@@ -58,6 +58,19 @@ def extract_answer(text: str) -> str | None:
     return normalise(matches[-1]) if matches else None
 
 
+def reference_problem(reference: str, answer_format: str = "number") -> str | None:
+    """What keeps `reference` from being compared with, as the rule of `answer_format` reads it, or None.
+
+    The number rule needs a number in it: `is_correct` stops the run on a reference without one, so every row the run
+    will judge is asked this first, before training (`posttrain.sources.run_splits`). math-verify reads an answer from
+    any non-empty text, and a reference it still cannot read scores 0 and is counted (`reward/verify_errors`): nothing
+    is refused for it here.
+    """
+    if answer_format == "number" and extract_answer(reference) is None:
+        return "holds no number to compare answers with"
+    return None
+
+
 def is_correct(completion: str, reference: str) -> bool:
     """Whether the final answer of `completion` equals `reference` (a bare number or a worked answer ending `#### N`).
 

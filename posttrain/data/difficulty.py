@@ -30,6 +30,12 @@ from posttrain.core.errors import ConfigError
 ALPHA = 0.5  # weight of the newest group in the moving average
 
 
+def tracks_pass_rates(cfg) -> bool:
+    """Whether a run keeps each prompt's running pass rate: for per-difficulty group sizes or the pass-rate
+    curriculum (the judge's verdicts on the training rows update it)."""
+    return cfg.rollout.adaptive_group_size or cfg.data.curriculum == "pass_rate"
+
+
 class PassRates:
     """Running pass rate per prompt, keyed by the prompt's text (`data.prompt_field`)."""
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Mapping
+from numbers import Number
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,14 @@ from posttrain.data import embedded
 from posttrain.schema import PRESETS, DataConfig
 
 
-def read_rows(source: Any, key: str = "data.path") -> list[dict]:
+def read_rows(source: Any, key: str = "data.path", split: str = "train") -> list[dict]:
     """Rows from a .jsonl / .parquet file, a `datasets` directory (save_to_disk) or an in-memory `datasets.Dataset`.
 
+    A `datasets` directory of several splits (a `DatasetDict`'s, as `load_dataset(...).save_to_disk` writes) gives its
+    `split`; another split is read by naming its own directory (`DIR/validation`).
+
     Raises:
-        DataError: naming `key` and the file, when it is missing, unreadable, malformed or empty.
+        DataError: naming `key` and the file, when it is missing, unreadable, malformed or empty, or lacks `split`.
     """
     if not isinstance(source, (str, Path)):
         rows = [dict(r) for r in source]  # a datasets.Dataset or any iterable of mappings
@@ -33,7 +38,7 @@ def read_rows(source: Any, key: str = "data.path") -> list[dict]:
             if path.is_dir():
                 import datasets
 
-                rows = [dict(r) for r in datasets.load_from_disk(str(path))]
+                rows = [dict(r) for r in _split_of(datasets.load_from_disk(str(path)), path, key, split)]
             elif path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
@@ -47,6 +52,21 @@ def read_rows(source: Any, key: str = "data.path") -> list[dict]:
     if not rows:
         raise DataError(f"{key}: '{source}' holds no rows")
     return rows
+
+
+def _split_of(saved: Any, path: Path, key: str, split: str):
+    """What `datasets.load_from_disk(path)` gave (`saved`) if it is a `Dataset`, its `split` if it is a `DatasetDict`
+    (a mapping of splits)."""
+    if not isinstance(saved, Mapping):
+        return saved
+    if split not in saved:
+        splits = list(saved)
+        if not splits:
+            raise DataError(f"{key}: '{path}' is a `datasets` directory of splits, and holds none")
+        example = next((s for s in splits if s != "train"), splits[0])
+        raise DataError(f"{key}: '{path}' holds the splits {', '.join(splits)} and no '{split}', the one {key} "
+                        f"reads; give a split's own directory, e.g. {key}={path / example}")
+    return saved[split]
 
 
 def _read_jsonl(path: Path, key: str) -> list[dict]:
@@ -65,34 +85,69 @@ def _read_jsonl(path: Path, key: str) -> list[dict]:
     return rows
 
 
-def check_fields(rows: list[dict], fields: list[str], key: str, source: Any) -> None:
-    """Every row has every field as a non-empty string (or number); otherwise a DataError naming the config `key`,
-    the file (`source`) and the row."""
-    for n, row in enumerate(rows, 1):
+def check_fields(rows: list[dict], fields: list[str], key: str, source: Any,
+                 checks: dict[str, Callable[[str], str | None]] | None = None, first: int = 1) -> None:
+    """Every row has every field as a non-empty string or number that passes its check in `checks`, if any (field ->
+    a function of the field's text saying what is wrong with it, or None); otherwise a DataError naming the config
+    `key`, the file (`source`), the row (numbered from `first`) and the field."""
+    checks = checks or {}
+    for n, row in enumerate(rows, first):
         for name in fields:
-            value = row.get(name)
-            if value is None or (isinstance(value, str) and not value.strip()):
+            if name not in row:
                 raise DataError(f"{key}: '{source}' row {n} has no field '{name}' (fields: {', '.join(row) or 'none'})")
+            problem = _problem(row[name], checks.get(name))
+            if problem is not None:
+                raise DataError(f"{key}: '{source}' row {n}: '{name}' {problem}")
 
 
-def load_splits(cfg: DataConfig, fields: list[str], num_test: int) -> tuple[list[dict], list[dict]]:
-    """Training and held-out rows: the embedded task, or `path` (and `test_path`) with `fields` checked.
+def _problem(value: Any, check: Callable[[str], str | None] | None) -> str | None:
+    """What is wrong with a field's value (null, not a string or number, empty, or what `check` says), or None."""
+    if value is None:
+        return "is null"
+    if isinstance(value, bool) or not isinstance(value, (str, Number)):  # Number: also Parquet's decimals
+        return f"is {_kind(value)}, expected a string or number"
+    text = str(value)
+    if not text.strip():
+        return "is empty"
+    wrong = check(text) if check is not None else None
+    return f"{wrong} ({text[-80:]!r})" if wrong else None
 
-    With only `test_path` (enough for `posttrain eval`) there are no training rows."""
+
+def _kind(value: Any) -> str:
+    """A JSON reader's name for the type of `value`: a list, an object, a boolean."""
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+
+
+def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
+                reference: Callable[[str], str | None] | None = None,
+                judged: bool = False) -> tuple[list[dict], list[dict]]:
+    """Training and held-out rows: the embedded task, or `path` (and `test_path`) with every row checked.
+
+    Training rows need `fields`; held-out rows the question and the reference answer. `reference` says what keeps an
+    answer's text from being checked by the judge (None: nothing does): it is asked of every held-out row's answer, and
+    of every training row's when `judged` (the method judges its training rows' answers too), so a row the run could
+    not score is refused before training, naming its file, row and field. With only `test_path` (enough for
+    `posttrain eval`) there are no training rows."""
     if cfg.preset == "embedded":
         return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand)
-    train = []
-    if cfg.path is not None:
-        train = read_rows(cfg.path, "data.path")
-        check_fields(train, fields, "data.path", cfg.path)
-    if cfg.test_path is not None:
-        test = read_rows(cfg.test_path, "data.test_path")
-        check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.test_path", cfg.test_path)
-    else:  # hold out the tail, so evaluation never sees a training row
+    answer = {cfg.answer_field: reference} if reference is not None else {}
+    train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
+    if cfg.test_path is None:  # hold out the tail, so evaluation never sees a training row
         if len(train) <= num_test:
             raise DataError(f"data.path: '{cfg.path}' has {len(train)} rows, too few to hold out {num_test} "
                             f"for eval; set data.test_path or a smaller eval.num_problems")
         train, test = train[: len(train) - num_test], train[len(train) - num_test :]
+    if cfg.path is not None:
+        check_fields(train, fields, "data.path", cfg.path, answer if judged else None)
+    if cfg.test_path is not None:
+        test = read_rows(cfg.test_path, "data.test_path", split="test")
+        check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.test_path", cfg.test_path, answer)
+    else:
+        check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.path", cfg.path, answer, first=len(train) + 1)
     return train, test
 
 

@@ -8,10 +8,16 @@ print it as one line.
 
 Nothing in a checkpoint runs as code: weights load from safetensors only (a pickle, `pytorch_model.bin`, can run
 anything when unpickled) and `trust_remote_code=False` keeps a directory's own Python files (`auto_map`) unimported.
+
+A directory's files are read before transformers sees them (`check_files`): its JSON files must parse as objects and
+each safetensors file it loads must have a whole header that covers the file, so a truncated download or a garbled
+copy is named as one line instead of failing deep inside loading (or, for generation_config.json, being ignored, and
+the stop tokens with it).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,8 +32,59 @@ HEADS = {  # role kind -> (transformers Auto class, keyword arguments)
 }
 
 
+# The JSON files transformers reads from a model directory, each checked when present.
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+              "special_tokens_map.json", "model.safetensors.index.json")
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's map from tensor name to shard file
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+def check_files(path: Path, key: str) -> None:
+    """Refuses a model directory whose JSON files do not parse as objects or whose safetensors weights (what
+    transformers loads: model.safetensors, else the shards the index names) cannot be opened; only headers are read,
+    so it is quick at any size.
+
+    Raises:
+        UserError: naming `key`, the file and what is wrong with it.
+    """
+    for name in JSON_FILES:
+        file = path / name
+        if not file.exists():
+            continue
+        try:
+            value = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise UserError(f"{key}: '{file}' cannot be read as JSON (truncated or corrupt): {_first_line(err)}") from None
+        if not isinstance(value, dict):
+            raise UserError(f"{key}: '{file}' holds a JSON {type(value).__name__}, not an object")
+    weights = [path / "model.safetensors"]
+    if not weights[0].exists() and (path / INDEX).is_file():  # transformers' order: the single file, else the index
+        shards = json.loads((path / INDEX).read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(shards, dict):
+            raise UserError(f"{key}: '{path / INDEX}' has no weight_map naming the shard files")
+        weights = [path / name for name in sorted(set(map(str, shards.values())))]
+        missing = [w.name for w in weights if not w.exists()]
+        if missing:
+            raise UserError(f"{key}: '{path / INDEX}' names shard files that are not there: {', '.join(missing)}")
+    from safetensors import SafetensorError, safe_open
+
+    for file in weights:
+        if not file.exists():
+            continue  # transformers says what it looked for
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"{key}: '{file}' cannot be read as safetensors (truncated or corrupt): "
+                            f"{_first_line(err)}") from None
+
+
 def load_tokenizer(path: str | Path, key: str):
-    """The tokenizer of a model directory, with a pad token (EOS when it has none)."""
+    """The tokenizer of a model directory, with a pad token (EOS when it has none); the directory's files are checked
+    first (`check_files`)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
@@ -36,6 +93,7 @@ def load_tokenizer(path: str | Path, key: str):
                         "adapter_config.json) or a merged model (a run with model.lora.merge=true writes merged_model/)")
     if not (path / "config.json").is_file():
         raise UserError(f"{key}: '{path}' is not a Hugging Face model directory (no config.json)")
+    check_files(path, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
@@ -64,6 +122,7 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
         UserError: naming `key`, when the directory is not a model, cannot be loaded, or has another vocabulary.
     """
     import transformers
+    from safetensors import SafetensorError
 
     tokenizer = load_tokenizer(path, key)
     if same_vocab_as is not None and tokenizer.get_vocab() != same_vocab_as.get_vocab():
@@ -77,7 +136,7 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
     try:
         model = getattr(transformers, auto).from_pretrained(Path(path), dtype=getattr(torch, dtype),
                                                             use_safetensors=True, trust_remote_code=False, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise UserError(f"{key}: cannot load '{path}' as a {kind.replace('_', ' ')} "
                         f"({str(err).splitlines()[0]})") from None
     return model, tokenizer

@@ -16,7 +16,7 @@ from posttrain.data import RowSampler
 from posttrain.data.difficulty import PassRates
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
-from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig
+from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig, RunConfig
 from posttrain.stages import ElitePool
 
 
@@ -73,6 +73,12 @@ class Source:
     def row_fields(data: DataConfig) -> list[str]:
         """The fields of a data row the source reads, checked on every row before training starts."""
         return [data.prompt_field, data.answer_field]
+
+    @staticmethod
+    def judges_rows(cfg: RunConfig) -> bool:
+        """Whether the judge's accuracy rule reads the reference answers of the training rows (as a reward or a
+        verdict), so that every row's answer is checked before training starts to hold one it can compare with."""
+        return False
 
     @classmethod
     def from_deps(cls, deps: Deps) -> Source:

@@ -18,7 +18,7 @@ import torch
 
 from posttrain.core.batch import Batch
 from posttrain.data import completion_texts, prompt_ids
-from posttrain.data.difficulty import FixedGroups
+from posttrain.data.difficulty import FixedGroups, tracks_pass_rates
 from posttrain.sources.base import Source, register
 from posttrain.stages import Judged, Pipeline, build
 
@@ -33,6 +33,10 @@ class Online(Source):
         self.group_sizes = d.group_sizes or FixedGroups(d.samples_per_prompt)
         self.temperature = d.temperature  # SamplingTemperature: read at each draw
         self.pipeline = Pipeline(self.draw, build(d))
+
+    @staticmethod
+    def judges_rows(cfg) -> bool:
+        return "accuracy" in cfg.rewards.weights or tracks_pass_rates(cfg)  # a reward, or the pass rates' verdicts
 
     @classmethod
     def from_deps(cls, d) -> Online:

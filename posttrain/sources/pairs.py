@@ -50,6 +50,10 @@ class Pairs(Source):
 
     scores_reference = True  # the engine may free the reference model once this source is built
 
+    @staticmethod
+    def judges_rows(cfg) -> bool:
+        return not cfg.algorithm.pairs_path  # pairs of samples the judge found correct and incorrect
+
     def __init__(self, pairs: list[dict], stats: dict, score_reference: Callable[[Batch], torch.Tensor],
                  pad_id: int, batch_size: int, chunk_pairs: int, seed: int):
         self.pairs, self.stats, self.pad_id, self.batch_size = pairs, stats, pad_id, batch_size

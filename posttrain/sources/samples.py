@@ -64,6 +64,9 @@ def starting_samples_of(d, k: int, num_prompts: int) -> list[dict]:
 class SamplesOnce(Source):
     """RFT: the starting model's correct samples, drawn like offline rows."""
 
+    @staticmethod
+    def judges_rows(cfg) -> bool:
+        return True  # a sample is kept when the judge finds it correct
 
     def __init__(self, samples: list[dict], pad_id: int, batch_size: int, seed: int):
         self.kept = [s for s in samples if s["correct"]]

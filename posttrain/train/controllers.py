@@ -20,7 +20,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.core.schedules import KLWeight, SamplingTemperature
 from posttrain.data import RowSampler
 from posttrain.data.curriculum import Curriculum
-from posttrain.data.difficulty import PassRates
+from posttrain.data.difficulty import PassRates, tracks_pass_rates
 from posttrain.schema import RunConfig
 from posttrain.stages import ElitePool
 from posttrain.train.evaluation import EarlyStop
@@ -68,8 +68,7 @@ class Controllers:
 def build_controllers(cfg: RunConfig, train_rows: list[dict], rank: int, world: int, pad_id: int) -> Controllers:
     """The controllers `cfg` asks for, at their starting state (`pad_id` pads the elite pool's widened rows)."""
     d, r, t = cfg.data, cfg.rollout, cfg.train
-    with_rates = r.adaptive_group_size or d.curriculum == "pass_rate"
-    pass_rates = PassRates(d.prompt_field) if with_rates else None
+    pass_rates = PassRates(d.prompt_field) if tracks_pass_rates(cfg) else None
     draws = RowSampler(train_rows, cfg.seed, rank, world)
     if d.curriculum != "none":
         draws = Curriculum(train_rows, cfg.seed, rank, world, mode=d.curriculum, field=d.difficulty_field,
