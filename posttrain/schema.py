@@ -499,9 +499,12 @@ class RunConfig(Freezable):
     """Where config.yaml, metrics.jsonl, summary.json and the final model go."""
     overwrite: bool = False
     """Replace a non-empty output_dir (only once the new run has finished)."""
-    resume: bool | str = False
-    """Continue an interrupted run: true, from the newest complete checkpoint in `<output_dir>.partial`; a path, from
-    that checkpoints/step_N directory. The config must match the run's, but for train.steps, saving and eval."""
+    resume: bool | str = "auto"
+    """Continue an interrupted run. auto (the default): from the newest complete checkpoint in `<output_dir>.partial`
+    when there is one (not with overwrite=true), else afresh, saying which; true: from that checkpoint, and an error
+    when there is none; a path: from that checkpoints/step_N directory; false: never (an interrupted run's
+    checkpoints are then refused, not discarded). The config must match the run's, but for the keys that may change
+    (posttrain.train.checkpoint.MAY_CHANGE: train.steps, saving, report_to)."""
     report_to: str = "none"
     """Trackers that get every line of metrics.jsonl and the resolved config, through accelerate's: none, tensorboard
     (`<output_dir>/tensorboard`), wandb (`<output_dir>/wandb`; WANDB_MODE=offline works without a network) or trackio

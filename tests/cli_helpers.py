@@ -34,8 +34,11 @@ def posttrain_here(*args, cwd=None) -> subprocess.CompletedProcess:
 
     from posttrain.apps.cli import main
 
+    from posttrain.backends import ddp
+
     out, err = io.StringIO(), io.StringIO()
-    before = os.getcwd()
+    before, exit_process = os.getcwd(), ddp.exit_process
+    ddp.exit_process = lambda code: None  # after an in-process run made a process group, `main` would end pytest
     try:
         if cwd is not None:
             os.chdir(cwd)
@@ -46,4 +49,5 @@ def posttrain_here(*args, cwd=None) -> subprocess.CompletedProcess:
                 code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
         os.chdir(before)
+        ddp.exit_process = exit_process
     return subprocess.CompletedProcess(["posttrain", *map(str, args)], code, out.getvalue(), err.getvalue())

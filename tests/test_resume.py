@@ -49,7 +49,7 @@ def test_killed_twice_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path)
     assert killed.returncode == -signal.SIGKILL
     assert [m["step"] for m in metrics(staging / "metrics.jsonl")] == [1, 2, 3, 4]
 
-    resumed = run(tiny_model_dir, out, "resume=true")  # from step 3: step 4's line is dropped, then written again
+    resumed = run(tiny_model_dir, out)  # the first command again (resume=auto): from step 3, step 4's line dropped
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (out / "model" / "model.safetensors").read_bytes() == \
         (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
@@ -59,6 +59,21 @@ def test_killed_twice_and_resumed_equals_uninterrupted(tiny_model_dir, tmp_path)
                     for m in metrics(tmp_path / "whole" / "metrics.jsonl")]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 3 and "eval_before" in summary
+
+
+def test_auto_resume_starts_afresh_when_no_checkpoint_was_written(tiny_model_dir, tmp_path):
+    """The default, resume=auto: a run killed before its first checkpoint (step 2 of save_every=3) is re-run by the
+    same command, from the start, saying so, and ends as a run never interrupted; resume=true stays strict."""
+    out, args = tmp_path / "killed", ["train.save_every=3"]
+    assert run(tiny_model_dir, out, *args, crash="step:2").returncode == -signal.SIGKILL
+    assert_one_line_error(run(tiny_model_dir, out, *args, "resume=true"), "resume: no complete checkpoint")
+    again = posttrain("run", *RUN, f"model.path={tiny_model_dir}", f"output_dir={out}", *args, "resume=auto")  # not -q
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "grpo run from the start, writing to" in again.stderr
+    assert run(tiny_model_dir, tmp_path / "whole", *args).returncode == 0
+    assert (out / "model" / "model.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
+    assert "resumed_from" not in json.loads((out / "summary.json").read_text())
 
 
 def test_keep_checkpoints_and_refusals(tiny_model_dir, tmp_path):
@@ -100,9 +115,10 @@ def test_a_new_run_does_not_discard_an_interrupted_runs_checkpoints(tmp_path):
     (tmp_path / "out.partial" / "checkpoints" / "step_2").mkdir(parents=True)
     RunDir(tmp_path / "out", overwrite=False)  # a torn or model-only step_2 holds nothing to lose
     (tmp_path / "out.partial" / "checkpoints" / "step_2" / "trainer_state.json").write_text("{}")
-    with pytest.raises(ConfigError, match="holds an interrupted run's checkpoints; resume=true continues it"):
+    with pytest.raises(ConfigError, match="holds an interrupted run's checkpoints; resume=auto or true continues it"):
         RunDir(tmp_path / "out", overwrite=False)
     RunDir(tmp_path / "out", overwrite=False, resume=True)
+    RunDir(tmp_path / "out", overwrite=False, resume="auto")
     RunDir(tmp_path / "out", overwrite=True)
 
 

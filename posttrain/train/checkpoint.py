@@ -120,12 +120,20 @@ def complete(parent: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find(resume: bool | str, staging: Path) -> Path:
-    """The checkpoint `resume` names: with true, the newest complete one of the unfinished run in `staging`.
+def find(resume: bool | str, staging: Path, overwrite: bool = False) -> Path | None:
+    """The checkpoint `resume` names: with true, the newest complete one of the unfinished run in `staging`; with
+    auto, the same when there is one (and overwrite is off), else None, a fresh start; with false, None.
 
     Raises:
-        ConfigError: naming `resume`, when there is none, or the one named is incomplete or not resumable.
+        ConfigError: naming `resume`, when there is none (true), or the one named is incomplete or not resumable.
     """
+    if resume is False:
+        return None
+    if resume == "auto":
+        found = complete(staging / "checkpoints")
+        if overwrite or not found:
+            return None
+        resume = True
     if resume is True:
         found = complete(staging / "checkpoints")
         if not found:

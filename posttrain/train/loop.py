@@ -56,7 +56,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
-    checkpoint = checkpoints.find(cfg.resume, run_dir.path) if cfg.resume else None
+    checkpoint = checkpoints.find(cfg.resume, run_dir.path, cfg.overwrite)
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
     summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size,
@@ -93,9 +93,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         if warning := long_prompts(engine.tokenizer, *splits, cfg):  # once, over the data, not in the loop
             print(f"posttrain: warning: {warning}", file=sys.stderr)
         if not quiet:
-            what = f"resuming from step {start} of " if checkpoint is not None else ""
-            print(f"posttrain: {what}{summary['algorithm']} run writing to {out} (moved to {run_dir.final} when "
-                  "done)", file=sys.stderr)
+            which = f"resuming from step {start} ({checkpoint}) of the {summary['algorithm']} run" \
+                if checkpoint is not None else f"{summary['algorithm']} run from the start"  # resume=auto says which
+            print(f"posttrain: {which}, writing to {out} (moved to {run_dir.final} when done)", file=sys.stderr)
     backend.barrier()
     t = cfg.train
     steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)

@@ -18,7 +18,8 @@ class RunDir:
         self.final = check_output_dir(output_dir)
         if self.final.exists() and not self.final.is_dir():
             raise ConfigError(f"output_dir: '{self.final}' is a file, not a directory")
-        if resume and (self.final / "summary.json").is_file() and not overwrite:
+        explicit = resume is True or (isinstance(resume, str) and resume != "auto")  # resume=true or a path
+        if explicit and (self.final / "summary.json").is_file() and not overwrite:
             raise ConfigError(f"resume: '{self.final}' holds a finished run; nothing to resume (overwrite=true "
                               "replaces it with the resumed one)")
         if self.final.is_dir() and any(self.final.iterdir()) and not overwrite:
@@ -33,8 +34,8 @@ class RunDir:
             raise ConfigError(f"output_dir: '{self.path}' holds a finished run that was not moved into place; rename "
                               f"it to '{self.final}', or pass overwrite=true to discard it")
         if not resume and not overwrite and any((self.path / "checkpoints").glob("step_*/trainer_state.json")):
-            raise ConfigError(f"output_dir: '{self.path}' holds an interrupted run's checkpoints; resume=true "
-                              "continues it, overwrite=true starts afresh and discards them")
+            raise ConfigError(f"output_dir: '{self.path}' holds an interrupted run's checkpoints; resume=auto or "
+                              "true continues it, overwrite=true starts afresh and discards them")
         if os.path.ismount(self.final):
             raise ConfigError(f"output_dir: '{self.final}' is a mount point: the finished run, written beside it in "
                               f"'{self.path}', cannot be moved onto it from another filesystem; name a subdirectory, "
