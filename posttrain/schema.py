@@ -202,8 +202,13 @@ class RolloutConfig(Freezable):
     max_new_tokens: int = 64
     """Token budget per completion; a completion without EOS by then is truncated."""
     tis_cap: float | None = None
-    """Truncated importance sampling: each token's GC is multiplied by min(π_trainer / π_rollout, tis_cap), where
-    π_rollout is the probability the rollout engine reported for the token it drew (Yao et al. 2025); null: off."""
+    """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
+    ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
+    2025), bounded by this cap C as `tis_mode` says; null: off."""
+    tis_mode: str = "token_truncate"
+    """How tis_cap bounds the ratio: token_truncate, min(ρ_t, C) per token; token_mask, ρ_t, or 0 where ρ_t > C;
+    sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
+    whole sequence where ρ > C (docs/unified_view.md)."""
     gpu_memory_utilization: float = 0.3
     """vllm: the share of the GPU's memory vLLM takes for its weights and KV cache (on CPU: see kv_cache_gb)."""
     kv_cache_gb: float | None = None
@@ -255,6 +260,11 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
+        if self.tis_mode not in TIS_MODES:
+            raise ConfigError(f"tis_mode: unknown {self.tis_mode!r}; known: {', '.join(TIS_MODES)}")
+        if self.tis_mode != "token_truncate" and self.tis_cap is None:
+            raise ConfigError(f"tis_mode: {self.tis_mode} bounds the ratio by tis_cap, which is off (null); give "
+                              "rollout.tis_cap=C")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization: must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
@@ -439,6 +449,7 @@ class RewardModelConfig(Freezable):
     model (rewards/process_model.py); null: none."""
 
 
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
 PROCESS_REWARDS = ("none", "steps", "model")  # rewards.process: where step rewards come from
 REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which samples each objective is z-scored
 

@@ -64,6 +64,8 @@ IGNORED = [  # (recipe, override, fragments): a key the method would never read
     ("ppo_math", "algorithm.clip_eps_high=0.1", ["algorithm.clip_eps_high: 0.1 is below clip_eps=0.2"]),
     ("dapo_math", "algorithm.clip_eps=0.3", ["algorithm.clip_eps_high: 0.28 is below clip_eps=0.3"]),
     ("gspo_math", "algorithm.clip_eps_high=1e-4", ["algorithm.clip_eps_high:", "GSPO clips a sequence ratio"]),
+    ("grpo_math", "rollout.tis_mode=token_mask", ["rollout.tis_mode: token_mask bounds the ratio by tis_cap, which is "
+                                                  "off (null); give rollout.tis_cap=C"]),
 ]
 
 

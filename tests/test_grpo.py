@@ -13,6 +13,7 @@ from posttrain.algorithms.grpo import GRPOConfig
 from posttrain.core.aggregation import MODES, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import ConfigError
+from posttrain.schema import TIS_MODES
 
 GRPO = get("grpo")
 
@@ -183,11 +184,25 @@ def test_out_of_range(kwargs, key):
         GRPOConfig(**kwargs)
 
 
+def expected_is_weight(trainer, sampled, mask, cap, tis_mode):
+    """The importance weight each rollout.tis_mode defines (docs/unified_view.md), written out token by token."""
+    B, R = trainer.shape
+    weight = torch.zeros(B, R, dtype=torch.float64)
+    for i in range(B):
+        seq = math.prod(math.exp(trainer[i, t] - sampled[i, t]) for t in range(R) if mask[i, t])  # Π_t ρ_t
+        for t in range(R):
+            rho = seq if tis_mode.startswith("sequence") else math.exp(trainer[i, t] - sampled[i, t])
+            weight[i, t] = min(rho, cap) if tis_mode.endswith("truncate") else (rho if rho <= cap else 0.0)
+    return weight.float()
+
+
+@pytest.mark.parametrize("tis_mode", TIS_MODES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1-weights-from-this-forward", "weights-from-old-logp"])
-def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
-    """rollout.tis_cap: the engine's GC (Engine.coefficient) against autograd on Eq. 3 + Eq. 4 with each token's
-    term weighted by the constant min(π_trainer / π_rollout, C), π_trainer taken under the sampling weights."""
+def test_importance_weighted_gradient_matches_the_weighted_objective(mode, spread, tis_mode):
+    """rollout.tis_cap and tis_mode: the engine's GC (Engine.coefficient) against autograd on Eq. 3 + Eq. 4 with
+    each token's term weighted by the constant the mode defines from ρ = π_trainer / π_rollout (truncated or masked,
+    per token or per sequence), π_trainer taken under the sampling weights."""
     from posttrain.train.engine import Engine
 
     cfg, cap, norm = GRPOConfig(group_size=3, beta=0.04), 1.5, 4.0
@@ -197,13 +212,14 @@ def test_truncated_is_gradient_matches_the_weighted_objective(mode, spread):
     batch.rollout_logp = (at_sampling + 0.5 * torch.randn(logp.shape, generator=g)) * batch.mask  # another engine
     prepared, _ = GRPO.prepare(batch, cfg)
     engine = Engine.__new__(Engine)  # only what Engine.coefficient reads
-    engine.plugin, engine.algorithm, engine.tis_cap, engine.mismatch = GRPO, cfg, cap, torch.zeros(3)
+    engine.plugin, engine.algorithm, engine.mismatch = GRPO, cfg, torch.zeros(3)
+    engine.tis_cap, engine.tis_mode = cap, tis_mode
 
     x = logp.clone().requires_grad_(True)
     gc, metrics = engine.coefficient(prepared, x.detach())
     (got,) = torch.autograd.grad(-aggregate(gc.detach() * x, prepared.mask, mode, norm=norm), x)
 
-    weight = torch.clamp(torch.exp(at_sampling - batch.rollout_logp), max=cap)  # [B, R], a constant
+    weight = expected_is_weight(at_sampling.double(), batch.rollout_logp.double(), batch.mask, cap, tis_mode)  # [B, R]
     objective = paper_objective(batch, cfg, mode, norm)
     adv = group_advantages(batch.reward, batch.group, cfg.adv_norm, cfg.eps)[:, None]
 

@@ -321,7 +321,7 @@ def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
         words.append("replayed elite completions were drawn by the policy of an earlier step, any number of steps "
                      f"behind; their GC is weighted by min(π_old / μ, rollout.elite_is_cap={r.elite_is_cap:g})")
     if r.engine != "hf":
-        cap = f"; rollout.tis_cap={r.tis_cap:g} weights each token" if r.tis_cap is not None else ""
+        cap = f"; rollout.tis_cap={r.tis_cap:g} weights each token ({r.tis_mode})" if r.tis_cap is not None else ""
         words.append(f"{r.engine} samples with its own kernels, so its log-probs differ slightly from the trainer's "
                      f"(logged as mismatch/kl){cap}")
     return behind, words

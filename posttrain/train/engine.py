@@ -61,7 +61,7 @@ class Engine:
         # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
         # else every weight, LoRA adapters merged in (cheaper than an adapter for vLLM to load from disk each step).
         self.weight_sync = "none" if rollout.colocated else ("merged" if cfg.model.lora.r else "full")
-        self.tis_cap = cfg.rollout.tis_cap
+        self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
         self.algorithm = a  # the plugin's config of the step under way: the validated one, or with a scheduled β
@@ -156,9 +156,10 @@ class Engine:
         return metrics
 
     def coefficient(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the truncated
-        importance weight when `rollout.tis_cap` is set and the rollout engine reported its log-probs; on rows replayed
-        from an elite pool (stages/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap) instead."""
+        """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the importance
+        weight of `rollout.tis_cap` and `tis_mode` when the cap is set and the rollout engine reported its log-probs; on
+        rows replayed from an elite pool (stages/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap)
+        instead."""
         gc, m = self.plugin.coefficient(mb, logp, self.algorithm)  # [b, R]
         if mb.rollout_logp is None:
             return gc, m
@@ -173,11 +174,10 @@ class Engine:
             return gc, m
         weight = torch.ones_like(gc)  # [b, R]
         if self.tis_cap is not None:
-            weight = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap)  # [b, R]
-            capped = ((weight == self.tis_cap).float() * fresh).sum() / fresh.sum().clamp(min=1)
-            m = {**m, "mismatch/tis_capped": capped}
+            weight, bounded = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap, self.tis_mode, mb.mask)  # [b, R]
+            m = {**m, "mismatch/tis_capped": (bounded.float() * fresh).sum() / fresh.sum().clamp(min=1)}
         if replayed is not None:  # the same truncated ratio, of π_old to μ (the replayed rows' rollout_logp)
-            elite = tis_weight(at_sampling, mb.rollout_logp, self.cfg.rollout.elite_is_cap)  # [b, R]
+            elite, _ = tis_weight(at_sampling, mb.rollout_logp, self.cfg.rollout.elite_is_cap)  # [b, R]
             weight = torch.where(replayed[:, None] > 0, elite, weight)  # [b, R]
             on = mb.mask * replayed[:, None]  # [b, R] replayed tokens
             self.elite_sums += torch.stack([(elite * on).sum(), on.sum()]).detach()  # the step's, for elite/is_weight
@@ -325,11 +325,22 @@ def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tens
     return torch.stack([k3.sum(), mask.sum(), d.abs().max() if d.numel() else d.new_zeros(())])
 
 
-def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling's per-token factor on GC, min(π_trainer / π_rollout, C): [B, R] -> [B, R].
+def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float, mode: str = "token_truncate",
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance sampling's factor on GC from ρ = π_trainer / π_rollout, bounded by C as `mode` says, and where the
+    bound acted: ([B, R], [B, R] bool).
 
     The rollout engine draws o_t from π_rollout, which differs from the π_trainer the gradient assumes (other
-    kernels, another precision). Weighting each token's term by the capped ratio corrects that, with variance bounded
-    by C. A constant of the gradient, like the advantage (no gradient flows through it).
+    kernels, another precision, older weights). Weighting each token's term by the ratio corrects that; the bound
+    keeps its variance finite at the cost of a bias: token_truncate, min(ρ_t, C) (TIS); token_mask, ρ_t·1[ρ_t ≤ C]
+    (MIS, dropping the tokens the trainer finds far likelier than the sampler did); sequence_truncate and
+    sequence_mask, the same on the sequence's ratio ρ = Π_t ρ_t over its response tokens (`mask`, [B, R]), on every
+    token of it. A constant of the gradient, like the advantage (no gradient flows through it).
     """
-    return torch.exp(trainer - sampled).clamp(max=cap).detach()
+    log_ratio = (trainer - sampled).detach()  # [B, R]
+    if mode.startswith("sequence"):
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True).expand_as(log_ratio)  # [B, R] log Π_t ρ_t on each token
+    ratio = torch.exp(log_ratio)
+    over = ratio > cap  # [B, R]
+    weight = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(over, torch.zeros_like(ratio), ratio)
+    return weight, over
