@@ -33,7 +33,6 @@ def posttrain_here(*args, cwd=None) -> subprocess.CompletedProcess:
     import io
 
     from posttrain.apps.cli import main
-
     from posttrain.backends import ddp
 
     out, err = io.StringIO(), io.StringIO()
