@@ -76,6 +76,16 @@ def test_metrics_average_every_update(tiny_model_dir, tmp_path):
     for key in ("loss", "ratio", "grad_norm", "value_error", "critic_loss"):
         assert metrics[key] == pytest.approx(sum(float(u[key]) for u in seen) / 4, rel=1e-5)
     assert metrics["beta"] == cfg.algorithm.beta  # logged for every method with a KL penalty, scheduled or not
+    assert metrics["staleness/mean"] == metrics["staleness/max"] == 0.0  # sampled by the weights it updates
+
+
+def test_staleness_counts_the_versions_a_row_is_behind():
+    """Rows drawn by the weights being updated are 0 behind; an elite replay drawn 5 updates ago is 5."""
+    from posttrain.train.engine import staleness
+
+    ops = []
+    got = staleness(torch.tensor([0, 2, 0, 5]), lambda t, op: ops.append(op) or t)
+    assert got == {"staleness/mean": 7 / 4, "staleness/max": 5.0} and ops == ["sum", "max"]
 
 
 def test_seeded_runs_repeat_exactly(tiny_model_dir, tmp_path):

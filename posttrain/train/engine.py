@@ -277,6 +277,8 @@ class Engine:
         if "replayed" in batch.extra:  # the mean over every replayed token of the step, on every process
             weights, tokens = backend.reduce(self.elite_sums, "sum").tolist()
             reduced["elite/is_weight"] = weights / max(tokens, 1.0)
+        if batch.version is not None:  # policy versions between the sampler and the weights this step updates
+            reduced.update(staleness(self.steps_done - 1 - batch.version, backend.reduce))
         if batch.rollout_logp is not None:
             kl, tokens = backend.reduce(self.mismatch[:2], "sum").tolist()
             reduced["mismatch/kl"] = kl / max(tokens, 1.0)
@@ -323,6 +325,17 @@ def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tens
     d = (trainer - sampled) * mask  # [B, R]
     k3 = (d.exp() - 1 - d) * mask  # [B, R]
     return torch.stack([k3.sum(), mask.sum(), d.abs().max() if d.numel() else d.new_zeros(())])
+
+
+def staleness(behind: torch.Tensor, reduce) -> dict[str, float]:
+    """`staleness/mean` and `staleness/max` over every process's rows: how many policy versions (optimizer steps of
+    the loop) each row's sampler was behind the weights the step updates ([B] long). 0 for rows sampled this step;
+    more for rows an older policy drew (an elite pool's replays)."""
+    device = behind.device
+    total, rows = reduce(torch.stack([behind.sum().float(), torch.tensor(float(len(behind)), device=device)]),
+                         "sum").tolist()
+    most = reduce(behind.max().float() if len(behind) else torch.zeros((), device=device), "max")
+    return {"staleness/mean": total / max(rows, 1.0), "staleness/max": float(most)}
 
 
 def tis_weight(trainer: torch.Tensor, sampled: torch.Tensor, cap: float, mode: str = "token_truncate",
