@@ -118,11 +118,12 @@ def test_warmup_is_cached(tmp_path):
     shutil.rmtree(tmp_path / "cache")
     (tmp_path / "b").rename(tmp_path / "moved")
     (tmp_path / "elsewhere").mkdir()
-    proc = posttrain("eval", tmp_path / "moved" / "model", "eval.num_problems=4", "rollout.max_new_tokens=6",
-                     cwd=tmp_path / "elsewhere")
+    proc = posttrain("eval", tmp_path / "moved" / "model", "eval.num_problems=6", "rollout.max_new_tokens=6",
+                     "data.train_size=100", "data.test_size=20", cwd=tmp_path / "elsewhere")
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "elsewhere" / "eval.json").read_text())
     assert report["adapter_base"] == str((tmp_path / "moved" / "base_model").resolve())
+    assert report["greedy"] == summary["eval_after"]["accuracy"]  # the adapter on its copied base, as the run had it
 
 
 def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):

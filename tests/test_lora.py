@@ -167,11 +167,12 @@ def test_cli_lora_run_writes_adapter_and_merged_model(tiny_model_dir, tmp_path):
     assert summary["adapter_base"] == {"path": str(tiny_model_dir.resolve()), "copy": None}
     evals = {}
     for name in ("model", "merged_model"):
-        proc = posttrain("eval", out / name, "eval.num_problems=4", "rollout.max_new_tokens=6", "-o",
-                         tmp_path / f"{name}.json", cwd=tmp_path)
+        proc = posttrain("eval", out / name, "eval.num_problems=4", "rollout.max_new_tokens=6", "train.precision=fp32",
+                         "-o", tmp_path / f"{name}.json", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         evals[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert evals["model"]["adapter_base"] == str(tiny_model_dir.resolve()) and "adapter_base" not in evals["merged_model"]
+    assert evals["model"]["greedy"] == summary["eval_after"]["accuracy"]  # the run's own evaluation, repeated
     assert [r["greedy"] for r in evals["model"]["records"]] == [r["greedy"] for r in evals["merged_model"]["records"]]
     # the base gone: one line naming it and the way out; --base DIR gives it
     moved = tmp_path / "moved_base"
@@ -180,7 +181,7 @@ def test_cli_lora_run_writes_adapter_and_merged_model(tiny_model_dir, tmp_path):
         assert_one_line_error(posttrain("eval", out / "model", "-o", tmp_path / "x.json"),
                               f"'{tiny_model_dir.resolve()}' (named in adapter_config.json) is not there", "--base DIR")
         proc = posttrain("eval", out / "model", "--base", moved, "eval.num_problems=4", "rollout.max_new_tokens=6",
-                         "-o", tmp_path / "based.json")
+                         "train.precision=fp32", "-o", tmp_path / "based.json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads((tmp_path / "based.json").read_text())["greedy"] == evals["model"]["greedy"]
     finally:

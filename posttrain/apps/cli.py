@@ -183,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="greedy accuracy, pass@k and maj@k of a model on held-out problems",
                         description="Evaluate a model: posttrain eval MODEL_DIR [recipe=NAME] [eval.k=8 eval.n=16 "
                         "eval.num_problems=N data.test_path=… rollout.temperature=…]; MODEL_DIR is a model directory or a LoRA "
-                        "run's model/ (an adapter, merged into its base). Greedy accuracy, and with "
+                        "run's model/ (an adapter, on its base). Greedy accuracy, and with "
                         "eval.k pass@k (unbiased, from eval.n ≥ k samples per problem) and maj@k (majority vote over "
                         "the final answers of k samples), on the recipe's held-out problems (grpo_math's embedded "
                         "task by default). Writes per-problem records to eval.json.", epilog=EPILOG)

@@ -18,7 +18,7 @@ DEFAULT_RECIPE = "grpo_math"  # its data, template, rollout settings and evaluat
 def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool = False,
          base: str | None = None) -> dict:
     """Evaluates `model`, writes `output` (never over an existing file) and returns what it wrote. A LoRA adapter
-    directory (a LoRA run's model/) is evaluated merged into its base: `base`, else the one the run names
+    directory (a LoRA run's model/) is evaluated on its base, as the run did: `base`, else the one the run names
     (`posttrain.models.lora.adapter_base`)."""
     from posttrain import config, judge, rollout
     from posttrain.backends.ddp import DDP
@@ -55,7 +55,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     cfg, _ = config.settle_precision(cfg)  # `auto` resolved for this device
     backend = DDP(precision=cfg.train.precision)
     dtype = weights_dtype(cfg.train.precision, trained=True)
-    policy, tokenizer = load(model, dtype=dtype) if adapter is None else lora.load_merged(adapter, weights, dtype)
+    policy, tokenizer = load(model, dtype=dtype) if adapter is None else lora.load_adapted(adapter, weights, dtype)
     uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails before any work
     policy = backend.place(policy.eval().requires_grad_(False).to(backend.device))
     n = (e.n or e.k) if e.k else 0
@@ -64,14 +64,14 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
         stop_ids=stop_token_ids(policy, tokenizer), sampling=sampling, precision=cfg.train.precision, seed=cfg.seed,
         max_seqs=e.batch_size * max(n, 1)))
     if adapter is not None and not engine.colocated:  # an engine with its own weights (vLLM) started from the base
-        engine.load_weights(policy.named_parameters())
+        engine.load_weights(lora.merged_weights(policy))
     with Progress(len(rows), enabled=not quiet, unit="problems") as bar, backend.autocast():
         the_judge = judge.build(cfg, backend.device, with_reward_model=False, tokenizer=tokenizer)
         result = evaluate(engine, the_judge, tokenizer, rows, cfg.data,
                           max_new_tokens=e.max_new_tokens or sampling.max_new_tokens, batch_size=e.batch_size,
                           k=e.k, n=e.n, temperature=sampling.temperature, top_p=sampling.top_p, records=True,
                           progress=lambda done: bar.update({"step": done}))
-    merged = {"adapter_base": str(weights.resolve())} if adapter is not None else {}  # what the adapter was merged into
+    merged = {"adapter_base": str(weights.resolve())} if adapter is not None else {}  # the base the adapter ran on
     report = {"model": str(Path(model).resolve()), **merged, "rollout_engine": engine.name,
               "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
               "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],

@@ -165,9 +165,11 @@ def adapter_base(adapter: Path, base: str | Path | None = None) -> Path:
     return Path(str(named))
 
 
-def load_merged(adapter: Path, base: Path, dtype: str):
-    """The base at `base` with the adapter at `adapter` merged in, as a plain transformers model, and its tokenizer
-    (the base's, which the run saved beside the adapter too)."""
+def load_adapted(adapter: Path, base: Path, dtype: str):
+    """The base at `base` with the adapter at `adapter` on it, a peft model computing W x + (α/r) B A x as the run
+    that trained it did (so an evaluation repeats the run's own, bit for bit where the run's did), and its tokenizer
+    (the base's, which the run saved beside the adapter too). An engine with its own weights takes
+    `merged_weights` of it."""
     import peft
 
     from posttrain.models.loading import load
@@ -178,4 +180,4 @@ def load_merged(adapter: Path, base: Path, dtype: str):
     except (OSError, ValueError, KeyError, RuntimeError) as err:  # a shape or name that is not this base's
         raise UserError(f"{adapter}: the adapter does not load onto the base '{base}' "
                         f"({str(err).splitlines()[0][:300]})") from None
-    return adapted.merge_and_unload(), tokenizer
+    return adapted, tokenizer
