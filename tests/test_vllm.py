@@ -189,18 +189,18 @@ def test_an_architecture_vllm_cannot_load_is_bad_input(model_dir, tmp_path):
 
 @needs_vllm
 def test_grpo_on_vllm_lifts_accuracy_and_logs_the_mismatch(tmp_path):
-    """`posttrain run recipe=grpo_math rollout.engine=vllm` as shipped (bf16 on both sides): the engine in use is
-    vLLM, every step logs the weight sync and a small mismatch, and held-out accuracy rises (by 17 points when
-    measured; 10 asked here)."""
+    """`posttrain run recipe=grpo_math rollout.engine=vllm` as shipped (bf16 on both sides) for its first 60 steps
+    of 140, to keep CI within its time: the engine in use is vLLM, every step logs the weight sync and a small
+    mismatch, and held-out accuracy rises (0.366 -> 0.504 when measured on AVX-512 with bf16; 8 points asked here)."""
     out = tmp_path / "run"
-    proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", f"output_dir={out}")
+    proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", "train.steps=60", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["time/weight_sync"] > 0 and 0 <= m["mismatch/kl"] < 0.01 and m["mismatch/max"] > 0 for m in metrics)
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    assert after >= before + 0.10, (before, after)
+    assert after >= before + 0.08, (before, after)
 
 
 @needs_vllm
