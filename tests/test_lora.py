@@ -18,6 +18,7 @@ from posttrain.models.scoring import token_logprobs
 from posttrain.sources import run_splits
 from posttrain.train import build, run
 
+TASK = ["data.difficulty=1", "data.train_size=50", "data.test_size=5"]  # the warm model's task: a±b
 SMALL = ["train.precision=fp32", "train.batch_size=2", "algorithm.group_size=4", "data.train_size=50",
          "data.test_size=5"]
 
@@ -148,11 +149,12 @@ def test_every_method_trains_its_adapters_only(recipe, warm_model_dir, tmp_path)
     assert any(not torch.equal(after[n], before[n]) for n in before)  # the adapters moved the weights
 
 
-def test_cli_lora_run_writes_adapter_and_merged_model(tiny_model_dir, tmp_path):
+def test_cli_lora_run_writes_adapter_and_merged_model(warm_model_dir, tmp_path):
+    """A model sometimes right (the warm one, on a±b), so GRPO's rewards differ and the adapters really move."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "posttrain", "run", "recipe=grpo_math", f"model.path={tiny_model_dir}",
-                           f"output_dir={out}", "model.lora.r=4", "model.lora.merge=true", "train.steps=2",
-                           "eval.num_problems=4", "rollout.max_new_tokens=6", *SMALL], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "posttrain", "run", "recipe=grpo_math", f"model.path={warm_model_dir}",
+                           f"output_dir={out}", "model.lora.r=4", "model.lora.merge=true", "train.steps=2", "train.lr=1e-2",
+                           *TASK, "eval.num_problems=4", "rollout.max_new_tokens=6", *SMALL], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["parameters"]["trained"] < summary["parameters"]["total"]
@@ -163,29 +165,39 @@ def test_cli_lora_run_writes_adapter_and_merged_model(tiny_model_dir, tmp_path):
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
     assert "holds a LoRA adapter, not a model" in again.stderr and "merged_model/" in again.stderr
 
-    # `posttrain eval` takes the adapter, from another directory: merged into its base, it answers as merged_model/
-    assert summary["adapter_base"] == {"path": str(tiny_model_dir.resolve()), "copy": None}
+    # what `posttrain eval` loads for the adapter computes as merged_model/, and not as the base it started from
+    from transformers import AutoModelForCausalLM
+
+    adapted, _ = lora.load_adapted(out / "model", warm_model_dir, "float32")
+    ids = torch.arange(3, 15)[None]  # [1, 12]
+    with torch.no_grad():
+        logits = [m(ids).logits for m in (adapted, AutoModelForCausalLM.from_pretrained(out / "merged_model"),
+                                          AutoModelForCausalLM.from_pretrained(warm_model_dir))]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+    assert (logits[0] - logits[2]).abs().max() > 1e-3  # the adapter moved them
+    # `posttrain eval` takes the adapter, from another directory: on its base, it answers as merged_model/
+    assert summary["adapter_base"] == {"path": str(warm_model_dir.resolve()), "copy": None}
     evals = {}
     for name in ("model", "merged_model"):
-        proc = posttrain("eval", out / name, "eval.num_problems=4", "rollout.max_new_tokens=6", "train.precision=fp32",
-                         "-o", tmp_path / f"{name}.json", cwd=tmp_path)
+        proc = posttrain("eval", out / name, *TASK, "eval.num_problems=4", "rollout.max_new_tokens=6",
+                         "train.precision=fp32", "-o", tmp_path / f"{name}.json", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         evals[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert evals["model"]["adapter_base"] == str(tiny_model_dir.resolve()) and "adapter_base" not in evals["merged_model"]
+    assert evals["model"]["adapter_base"] == str(warm_model_dir.resolve()) and "adapter_base" not in evals["merged_model"]
     assert evals["model"]["greedy"] == summary["eval_after"]["accuracy"]  # the run's own evaluation, repeated
     assert [r["greedy"] for r in evals["model"]["records"]] == [r["greedy"] for r in evals["merged_model"]["records"]]
     # the base gone: one line naming it and the way out; --base DIR gives it
     moved = tmp_path / "moved_base"
-    tiny_model_dir.rename(moved)
+    warm_model_dir.rename(moved)
     try:
         assert_one_line_error(posttrain("eval", out / "model", "-o", tmp_path / "x.json"),
-                              f"'{tiny_model_dir.resolve()}' (named in adapter_config.json) is not there", "--base DIR")
-        proc = posttrain("eval", out / "model", "--base", moved, "eval.num_problems=4", "rollout.max_new_tokens=6",
-                         "train.precision=fp32", "-o", tmp_path / "based.json")
+                              f"'{warm_model_dir.resolve()}' (named in adapter_config.json) is not there", "--base DIR")
+        proc = posttrain("eval", out / "model", "--base", moved, *TASK, "eval.num_problems=4",
+                         "rollout.max_new_tokens=6", "train.precision=fp32", "-o", tmp_path / "based.json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert json.loads((tmp_path / "based.json").read_text())["greedy"] == evals["model"]["greedy"]
     finally:
-        moved.rename(tiny_model_dir)
+        moved.rename(warm_model_dir)
 
 
 @pytest.mark.parametrize("key, fragment", [
