@@ -24,7 +24,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     from posttrain.backends.ddp import DDP
     from posttrain.data import prompt_texts, uses_chat
     from posttrain.models import lora
-    from posttrain.models.loading import load, stop_token_ids
+    from posttrain.models.loading import is_adapter, load, stop_token_ids
     from posttrain.schema import weights_dtype
     from posttrain.sources import run_splits
     from posttrain.train.evaluation import evaluate
@@ -39,7 +39,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     if out.exists():
         raise UserError(f"{out}: already exists; remove it or give another with --output")
     check_writable(out, "-o")  # before the evaluation, not after it; missing directories are made when writing
-    adapter = Path(model) if lora.is_adapter(model) else None
+    adapter = Path(model) if is_adapter(model) else None
     if base is not None and adapter is None:
         raise UserError(f"--base: '{model}' is a whole model, not a LoRA adapter; --base names an adapter's base")
     weights = lora.adapter_base(adapter, base) if adapter is not None else Path(model)  # what the config loads

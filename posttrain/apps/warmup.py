@@ -64,8 +64,9 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     root = cache_root(cfg)
     out = root / f"warmup-{key}"
     clean_stale(root)
+    cached = (out / "model", {"cached": True, "path": str(out / "model")})
     if (out / "model" / "config.json").is_file():
-        return out / "model", {"cached": True, "path": str(out / "model")}
+        return cached
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = _lock(root / f"warmup-{key}.lock", wait=False)
@@ -78,7 +79,7 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
                           "warmup.cache_dir or $POSTTRAIN_CACHE to a writable directory") from None
     with lock:
         if (out / "model" / "config.json").is_file():  # the other process's, finished while this one waited
-            return out / "model", {"cached": True, "path": str(out / "model")}
+            return cached
         if not quiet:
             print(f"posttrain: warming up the embedded tiny model with {w.steps} SFT steps (cached in {out})",
                   file=sys.stderr)

@@ -50,19 +50,20 @@ def check_files(path: Path, key: str) -> None:
     Raises:
         UserError: naming `key`, the file and what is wrong with it.
     """
+    parsed = {}
     for name in JSON_FILES:
         file = path / name
         if not file.exists():
             continue
         try:
-            value = json.loads(file.read_text(encoding="utf-8"))
+            parsed[name] = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as err:
             raise UserError(f"{key}: '{file}' cannot be read as JSON (truncated or corrupt): {_first_line(err)}") from None
-        if not isinstance(value, dict):
-            raise UserError(f"{key}: '{file}' holds a JSON {type(value).__name__}, not an object")
+        if not isinstance(parsed[name], dict):
+            raise UserError(f"{key}: '{file}' holds a JSON {type(parsed[name]).__name__}, not an object")
     weights = [path / "model.safetensors"]
-    if not weights[0].exists() and (path / INDEX).is_file():  # transformers' order: the single file, else the index
-        shards = json.loads((path / INDEX).read_text(encoding="utf-8")).get("weight_map")
+    if not weights[0].exists() and INDEX in parsed:  # transformers' order: the single file, else the index
+        shards = parsed[INDEX].get("weight_map")
         if not isinstance(shards, dict):
             raise UserError(f"{key}: '{path / INDEX}' has no weight_map naming the shard files")
         weights = [path / name for name in sorted(set(map(str, shards.values())))]
@@ -82,13 +83,19 @@ def check_files(path: Path, key: str) -> None:
                             f"{_first_line(err)}") from None
 
 
+def is_adapter(path: str | Path) -> bool:
+    """Whether `path` holds a LoRA adapter (adapter_config.json) rather than a whole model (config.json)."""
+    path = Path(path)
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
 def load_tokenizer(path: str | Path, key: str):
     """The tokenizer of a model directory, with a pad token (EOS when it has none); the directory's files are checked
     first (`check_files`)."""
     from transformers import AutoTokenizer
 
     path = Path(path)
-    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+    if is_adapter(path):
         raise UserError(f"{key}: '{path}' holds a LoRA adapter, not a model; give its base model (named in its "
                         "adapter_config.json) or a merged model (a run with model.lora.merge=true writes merged_model/)")
     if not (path / "config.json").is_file():

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from posttrain.core.errors import UserError
+from posttrain.models.loading import load
 from posttrain.schema import LoraConfig
 
 TASKS = {"causal_lm": "CAUSAL_LM", "critic": "TOKEN_CLS"}  # peft's task types: TOKEN_CLS also trains the value head
@@ -138,12 +139,6 @@ def save_merged(model: torch.nn.Module, path: Path, state: dict[str, torch.Tenso
 BASE_COPY = "base_model"  # beside model/ in a run directory: the embedded base a LoRA run adapted, copied (a few MB)
 
 
-def is_adapter(path: str | Path) -> bool:
-    """Whether `path` holds a LoRA adapter (adapter_config.json) rather than a whole model (config.json)."""
-    path = Path(path)
-    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
-
-
 def adapter_base(adapter: Path, base: str | Path | None = None) -> Path:
     """The base model directory of the adapter at `adapter`: `base` when given; else the run's own copy beside it
     (`../base_model`, written when the base was the embedded model, so a run directory moved or a cache cleared
@@ -171,8 +166,6 @@ def load_adapted(adapter: Path, base: Path, dtype: str):
     (the base's, which the run saved beside the adapter too). An engine with its own weights takes
     `merged_weights` of it."""
     import peft
-
-    from posttrain.models.loading import load
 
     model, tokenizer = load(base, dtype=dtype, key="--base")
     try:
