@@ -111,9 +111,6 @@ class KLWeight:
         """The plugin's config (a dataclass with a `beta` field) with this step's β."""
         return dataclasses.replace(algorithm, beta=self.beta)
 
-    def metrics(self) -> dict[str, float]:
-        return {"beta": self.beta}
-
     def state_dict(self) -> dict:
         return {"beta": self.beta}
 

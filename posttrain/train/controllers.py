@@ -45,9 +45,6 @@ class Controllers:
         """The plugin's config for this step: the validated one, with β from its schedule when there is one."""
         return algorithm if self.beta is None else self.beta.apply(algorithm)
 
-    def metrics(self) -> dict[str, float]:
-        return self.beta.metrics() if self.beta is not None else {}
-
     def items(self) -> list[tuple[str, Any]]:
         """(name, controller) of those this run has."""
         return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]

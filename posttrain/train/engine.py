@@ -285,8 +285,8 @@ class Engine:
             reduced["mismatch/max"] = float(backend.reduce(self.mismatch[2], "max"))
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
-        beta = {"beta": self.algorithm.beta} if self.plugin.kl_penalty else {}  # scheduled or not
-        return {**stats, **reduced, "trained_tokens": trained, "lr": lr, **beta, **self.controllers.metrics(),
+        beta = {"beta": self.algorithm.beta} if self.plugin.kl_penalty else {}  # this step's: scheduled or not
+        return {**stats, **reduced, "trained_tokens": trained, "lr": lr, **beta,
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
 
     def sync_rollout(self) -> None:
