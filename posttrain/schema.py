@@ -250,6 +250,26 @@ class RolloutConfig(Freezable):
     elite_is_cap: float = 1.0
     """C of a replayed token's off-policy weight min(π_old / μ, C) on GC, μ the older policy that drew the elite
     (V-trace's ρ̄ truncation, arXiv:1802.01561): 1 never up-weights a token; biased, but bounded by C."""
+    placement: str = "colocated"
+    """Where sampling runs (docs/async.md): colocated, in the training process, between updates; separate, in rollout
+    worker processes with their own copy of the weights, pushed to them after every update, so that sampling the
+    next batches overlaps the update (online methods)."""
+    max_staleness: int = 0
+    """separate: k, how many policy versions the workers may run ahead of the trainer: a batch trained by the update
+    to version v was sampled by version v − 1 − k or later. 0 is the synchronous algorithm (on CPU with the hf
+    engine, byte for byte the colocated run); each step logs staleness/mean and staleness/max."""
+    workers: int = 1
+    """separate: rollout worker processes; a step's prompts are split between them."""
+    worker_threads: int = 0
+    """separate: compute threads (and cores, where there are enough) of each worker; 0: the usable cores shared
+    evenly between the workers and the trainer."""
+    worker_timeout_s: float = 600.0
+    """separate: a weight push or a sampling request a worker has not answered within this many seconds counts as
+    hung: the worker is killed and started again, and its prompts are sent again."""
+    max_worker_restarts: int = 3
+    """separate: restarts of a worker that died or hung before the run stops with an error naming it."""
+    weight_bucket_mb: float = 64.0
+    """separate: weights travel to the workers in buckets of at most this many MiB (a larger tensor goes alone)."""
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -287,6 +307,25 @@ class RolloutConfig(Freezable):
                               f"{self.max_group_size})")
         if not 0 < self.group_size_target < 1:
             raise ConfigError(f"group_size_target: must be in (0, 1) (got {self.group_size_target})")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement: unknown {self.placement!r}; known: {', '.join(PLACEMENTS)}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness: must be ≥ 0 (got {self.max_staleness})")
+        if self.workers < 1:
+            raise ConfigError(f"workers: must be ≥ 1 (got {self.workers})")
+        if self.worker_threads < 0:
+            raise ConfigError(f"worker_threads: must be ≥ 0 (got {self.worker_threads})")
+        if self.worker_timeout_s <= 0:
+            raise ConfigError(f"worker_timeout_s: must be > 0 (got {self.worker_timeout_s})")
+        if self.max_worker_restarts < 0:
+            raise ConfigError(f"max_worker_restarts: must be ≥ 0 (got {self.max_worker_restarts})")
+        if self.weight_bucket_mb <= 0:
+            raise ConfigError(f"weight_bucket_mb: must be > 0 (got {self.weight_bucket_mb})")
+        if self.placement == "colocated":
+            moved = [k for k in ("max_staleness", "workers", "worker_threads") if getattr(self, k) != getattr(
+                RolloutConfig, k)]
+            if moved:
+                raise ConfigError(f"{moved[0]}: applies to rollout.placement=separate (got placement=colocated)")
 
 
 OFFLOADS = ("none", "optimizer", "params")
@@ -326,6 +365,10 @@ class TrainConfig(Freezable):
     """How per-token terms become the loss: seq_mean_token_mean (paper), token_mean (DAPO), seq_mean_token_sum_norm."""
     loss_agg_norm: float | None = None
     """Constant L of seq_mean_token_sum_norm (Dr. GRPO); null: rollout.max_new_tokens."""
+    log_samples: bool = False
+    """Write every trained sample to samples.jsonl in the run directory, a line each: the step, the prompt, the
+    completion, and where the method has them the reward and the policy version that sampled it (each process of a
+    multi-process run writes its own rows, samples.rank<N>.jsonl beyond the first)."""
     save_every: int = 0
     """Write a checkpoint every N steps under output_dir/checkpoints (the model and the training state a run resumes
     from: optimizer, schedule, random generators, data position); 0: only the final model."""
@@ -449,6 +492,7 @@ class RewardModelConfig(Freezable):
     model (rewards/process_model.py); null: none."""
 
 
+PLACEMENTS = ("colocated", "separate")  # rollout.placement
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
 PROCESS_REWARDS = ("none", "steps", "model")  # rewards.process: where step rewards come from
 REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which samples each objective is z-scored

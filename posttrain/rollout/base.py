@@ -39,6 +39,8 @@ class RolloutEngine:
     name: str = ""
     colocated: bool = False
     """True when the engine samples from the trainer's own module, so an update needs no weight sync."""
+    takes_adapter: bool = False
+    """True when, under LoRA, the engine holds the adapted model and takes the trained adapter alone."""
     collective: bool = False
     """True when sampling runs sharded weights, so every process must make the same `generate` calls."""
     version: int = 0

@@ -51,7 +51,8 @@ class Online(Source):
         batch = self.rollout.generate(prompt_ids(self.tokenizer, rows, self.data), n,
                                       max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=s.top_p)
         batch.temperature = temperature
-        batch.version = torch.full((len(batch),), self.rollout.version, dtype=torch.long)  # [B]
+        if batch.version is None:  # rollout workers stamp the version that sampled each row themselves
+            batch.version = torch.full((len(batch),), self.rollout.version, dtype=torch.long)  # [B]
         stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum()), **stats}
         t0 = time.perf_counter()
         sizes = n if isinstance(n, list) else [n] * len(rows)

@@ -15,17 +15,21 @@ from posttrain import judge as judges
 from posttrain import rollout
 from posttrain.backends import Backend
 from posttrain.config import algorithm_of
+from posttrain.core.errors import ConfigError
 from posttrain.core.memory import RoleBytes
 from posttrain.core.schedules import lr_factor
+from posttrain.core.threads import allowed_cpus, usable_cores
 from posttrain.data import uses_chat
 from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
+from posttrain.rollout.workers import WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
 from posttrain.sources import SOURCES, Deps
 from posttrain.train.controllers import build_controllers
 from posttrain.train.engine import Engine
+from posttrain.train.producer import Producer
 
 
 def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
@@ -79,11 +83,16 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
         critic = backend.train(model, lr=a.critic_lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm)
 
     sampler = lora.hf_model(backend.generation_model(trained_policy))  # adapters in place when adapted
-    rollouts = rollout.get(cfg.rollout.engine).start(rollout.Setup(
+    setup = rollout.Setup(
         policy=sampler, model_path=model_path, pad_id=tokenizer.pad_token_id,
         stop_ids=stop_token_ids(sampler, tokenizer), sampling=cfg.rollout, precision=precision,
         seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * plugin.samples_per_prompt(a), cfg.eval.batch_size),
-        agree=backend.agree if backend.sharded else None))
+        agree=backend.agree if backend.sharded else None)
+    separate = cfg.rollout.placement == "separate"
+    if separate and backend.world_size > 1:
+        raise ConfigError(f"rollout.placement: separate rollout workers serve one training process for now; this run "
+                          f"has {backend.world_size} (use rollout.placement=colocated)")
+    rollouts = start_workers(cfg, setup, dtype) if separate else rollout.get(cfg.rollout.engine).start(setup)
 
     source_cls = SOURCES.find(plugin.source)
     if source_cls.on_policy and plugin.epochs(a) * plugin.minibatches(a) > 1:
@@ -107,6 +116,10 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None))
     engine.source = source
+    if separate:
+        engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,
+                                   backend.autocast)
+        engine.sync_rollout()  # version 0: the workers loaded the start model's files; an adapter starts afresh
     if source.scores_reference:
         engine.ref, engine.ref_is_base = None, False  # the source holds the reference log-probs it needs
     rm = getattr(judge.reward_model, "model", None)
@@ -115,3 +128,36 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
         if model is not None:
             roles.observe(role, backend.weight_bytes(model))
     return engine
+
+
+def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerPool:
+    """The rollout workers of `rollout.placement=separate`, each on its share of the cores (rollout.worker_threads),
+    the trainer keeping the rest (`worker_cores`)."""
+    r = cfg.rollout
+    threads, cpus = worker_cores(r)
+    takes_adapter = cfg.model.lora.r and rollout.get(r.engine).colocated  # hf: the same adapted model
+    spec = WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
+                      lora=cfg.model.lora if takes_adapter else None, sampling=r, pad_id=setup.pad_id,
+                      stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs, threads=threads,
+                      timeout_s=r.worker_timeout_s,
+                      attention=getattr(getattr(setup.policy, "config", None), "_attn_implementation", None))
+    return WorkerPool(spec, r.workers, cpus=cpus, shared_rng=r.max_staleness == 0 and r.workers == 1,
+                      max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+
+
+def worker_cores(r) -> tuple[int, list[list[int]] | None]:
+    """Each rollout worker's threads, and its cores (the last ones, where every worker and the trainer get their
+    own; else None: not pinned)."""
+    cpus = sorted(allowed_cpus())
+    threads = r.worker_threads or max(1, usable_cores() // (r.workers + 1))
+    if r.workers * threads >= len(cpus):
+        return threads, None
+    return threads, [cpus[len(cpus) - (i + 1) * threads : len(cpus) - i * threads] for i in range(r.workers)]
+
+
+def trainer_threads(cfg: RunConfig) -> int:
+    """train.threads as the run starts: under separate placement, unless pinned, the cores the workers leave."""
+    r = cfg.rollout
+    if cfg.train.threads or r.placement != "separate":
+        return cfg.train.threads
+    return max(1, usable_cores() - r.workers * worker_cores(r)[0])

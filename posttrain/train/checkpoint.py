@@ -8,7 +8,8 @@ beside the weights:
   under `ddp`; each process's shards under `fsdp2` (torch.distributed.checkpoint) and `zero2`/`zero3` (DeepSpeed's
   checkpoint), never gathered, so that a model too large for one device saves and resumes as it trains;
 - `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its controllers
-  (posttrain.train.controllers: its row draws, pass rates, elite pool, temperature, β, early stopping);
+  (posttrain.train.controllers: its row draws, pass rates, elite pool, temperature, β, early stopping), and under
+  `rollout.placement=separate` the batches sampled ahead but not yet trained on, and the workers' generator streams;
 - `trainer_state.json`, written last: the step, the evaluations and wall time so far, the start model and the config.
 
 A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N` only once every file is in it, so a
@@ -24,17 +25,16 @@ backend and process count that wrote the checkpoint; every process must see the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.faults import crash_point  # noqa: F401 - the loop calls it from here
 from posttrain.models.lora import BASE_COPY
 
 TRAINING_STATE, RUN_STATE = "training_state", "trainer_state.json"
@@ -74,8 +74,9 @@ class Checkpoints:
         save_model(engine, tmp)
         crash_point("checkpoint", step)  # fault injection for the kill tests: a torn temporary directory
         engine.save_training_state(tmp / TRAINING_STATE)  # every process takes part
-        torch.save({"rng": rng_state(), "controllers": engine.controllers.state_dict()},
-                   tmp / f"process_{backend.rank}.pt")
+        with engine.pipeline_state() as pipeline:  # batches made ahead, with the controllers as they left them
+            torch.save({"rng": rng_state(), "controllers": engine.controllers.state_dict(), "pipeline": pipeline},
+                       tmp / f"process_{backend.rank}.pt")
         backend.barrier()
         if backend.is_main:
             (tmp / RUN_STATE).write_text(json.dumps({"step": step, "world_size": backend.world_size,
@@ -184,6 +185,8 @@ def restore(path: Path, engine) -> None:
         raise ConfigError(f"resume: '{path}' was written by an older posttrain, whose checkpoints kept the run's "
                           "changing state in the data source; start the run afresh")
     engine.controllers.load_state_dict(mine["controllers"])
+    if engine.producer is not None:  # the batches made ahead and not trained on: trained first
+        engine.producer.load_state_dict(mine["pipeline"])
     set_rng_state(mine["rng"])
     engine.sync_rollout()  # vLLM started from the start model's files
 
@@ -216,10 +219,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def crash_point(name: str, step: int) -> None:
-    """Kills this process with SIGKILL when $POSTTRAIN_CRASH_AT is `name:step`: fault injection for the kill tests
-    and bench/kill_resume.py, so that a kill lands at an exact point (inside a checkpoint write, say)."""
-    if os.environ.get("POSTTRAIN_CRASH_AT") == f"{name}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)

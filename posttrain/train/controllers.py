@@ -35,9 +35,11 @@ class Controllers:
     elite: ElitePool | None = None
     beta: KLWeight | None = None
 
-    def at(self, step: int) -> None:
-        """Before step `step` (1-based): the curriculum's pool and β follow the step."""
-        self.draws.at(step - 1)  # the steps done before this one
+    def at(self, step: int, draws: bool = True) -> None:
+        """Before step `step` (1-based): the curriculum's pool (unless `draws` is False: a producer making batches
+        ahead moves it to each batch's step) and β follow the step."""
+        if draws:
+            self.draws.at(step - 1)  # the steps done before this one
         if self.beta is not None:
             self.beta.at(step)
 

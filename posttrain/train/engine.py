@@ -13,6 +13,7 @@ not depend on how the batch is split into micro-batches or over processes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -59,8 +60,12 @@ class Engine:
         self.test_rows, self.parameters, self.roles, self.phases = test_rows, parameters, roles, PhasePeaks()
         t, a = cfg.train, cfg.algorithm
         # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
-        # else every weight, LoRA adapters merged in (cheaper than an adapter for vLLM to load from disk each step).
-        self.weight_sync = "none" if rollout.colocated else ("merged" if cfg.model.lora.r else "full")
+        # the adapter alone to rollout workers that hold the same adapted model; else every weight, LoRA adapters
+        # merged in (cheaper than an adapter for vLLM to load from disk each step).
+        self.weight_sync = "none" if rollout.colocated else "adapter" if rollout.takes_adapter else \
+            "merged" if cfg.model.lora.r else "full"
+        self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
+        self.producer = None  # rollout.placement=separate: the thread that makes batches ahead (train/producer.py)
         self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
@@ -235,13 +240,17 @@ class Engine:
         """One step: the source's batch, scored for what the plugin needs, then μ × minibatches optimizer steps on
         it, then the new weights to the rollout engine. Returns the step's metrics."""
         t_start = time.perf_counter()
+        clock = {"clock/step_start": self.producer.clock()} if self.producer is not None else {}
         phases, backend = self.phases, self.backend
         self.steps_done += 1
-        self.controllers.at(self.steps_done)
+        self.controllers.at(self.steps_done, draws=self.producer is None)  # the producer moves its own draws
         self.algorithm = self.controllers.algorithm(self.cfg.algorithm)  # a copy with this step's β, if scheduled
         with phases.phase("rollout"), backend.autocast():  # sampling, rewards and the source's stages; collation
-            batch, stats = self.source.next()
+            batch, stats = self.source.next() if self.producer is None else self.producer.next(self.steps_done)
             batch = batch.to(backend.device)
+        if self.producer is not None:
+            self.check_staleness(batch)
+        self.samples = sample_records(self.tokenizer, batch, self.steps_done) if self.cfg.train.log_samples else []
         with phases.phase("scoring"):
             if self.has_reference:
                 batch.ref_logp = self.reference_logp(batch)
@@ -286,15 +295,52 @@ class Engine:
         elapsed = time.perf_counter() - t_start
         trained = float(batch.mask.sum())
         beta = {"beta": self.algorithm.beta} if self.plugin.kl_penalty else {}  # this step's: scheduled or not
-        return {**stats, **reduced, "trained_tokens": trained, "lr": lr, **beta,
+        if clock:  # the timeline of the trainer's side, on the producer's clock
+            clock["clock/step_end"] = self.producer.clock()
+        return {**stats, **reduced, **clock, "trained_tokens": trained, "lr": lr, **beta,
                 "tokens_per_s": (trained + stats.get("generated_tokens", 0.0)) / elapsed, "time/step": elapsed}
 
+    def check_staleness(self, batch: Batch) -> None:
+        """Refuses a fresh row (not an elite replay) sampled by a policy more than rollout.max_staleness versions
+        behind the weights this step updates: the bound holds by construction, and this says so if it ever did not."""
+        behind = self.steps_done - 1 - batch.version  # [B]
+        if "replayed" in batch.extra:
+            behind = behind[~batch.extra["replayed"].bool().to(behind.device)]
+        k = self.cfg.rollout.max_staleness
+        if len(behind) and int(behind.max()) > k:
+            raise TrainingError(f"rollout.max_staleness: step {self.steps_done} got a row sampled {int(behind.max())} "
+                                f"versions behind its weights, more than {k}")
+
     def sync_rollout(self) -> None:
-        """Gives a rollout engine that holds its own copy of the weights (vLLM) the policy's current ones, and the
-        policy version they are (the steps trained so far), which it stamps on what it samples."""
+        """Gives a rollout engine that holds its own copy of the weights (vLLM, rollout workers) the policy's current
+        ones, and the policy version they are (the steps trained so far), which it stamps on what it samples."""
         self.rollout.version = self.steps_done
-        if not self.rollout.colocated:
+        if self.weight_sync == "adapter":  # the trained parameters alone, as the workers' adapted model names them
+            model = lora.hf_model(self.backend.generation_model(self.policy))
+            self.rollout.load_weights((name, self.backend.whole(p)) for name, p in model.named_parameters()
+                                      if p.requires_grad)
+        elif not self.rollout.colocated:
             self.rollout.load_weights(self.backend.weights(self.policy))
+
+    @contextlib.contextmanager
+    def pipeline_state(self):
+        """What a checkpoint keeps of batches made ahead (None when they are not), with the producer held between
+        two batches so that the controllers it moves match."""
+        if self.producer is None:
+            yield None
+            return
+        with self.producer.paused() as state:
+            yield state
+
+    def close(self) -> None:
+        """Stops the producer and the rollout engine's processes, if any."""
+        if self.producer is not None:
+            self.producer.stop()
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+        if self.producer is not None:
+            self.producer.join()
 
     def trained(self) -> dict[str, Trained]:
         """The models being trained, by role."""
@@ -317,6 +363,25 @@ class Engine:
                             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                             batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
                             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
+
+
+def sample_records(tokenizer, batch: Batch, step: int) -> list[dict]:
+    """One record per row of `batch` for samples.jsonl: step, prompt and completion text (special tokens dropped),
+    and the reward and sampling version where the batch has them."""
+    prompts = [ids[keep.bool()] for ids, keep in zip(batch.input_ids[:, : batch.prompt_len].cpu(),
+                                                       batch.attention_mask[:, : batch.prompt_len].cpu())]
+    responses = [ids[keep.bool()] for ids, keep in zip(batch.response_ids.cpu(), batch.mask.cpu())]
+    texts = tokenizer.batch_decode(prompts, skip_special_tokens=True), tokenizer.batch_decode(responses,
+                                                                                             skip_special_tokens=True)
+    records = []
+    for i, (prompt, completion) in enumerate(zip(*texts)):
+        record = {"step": step, "prompt": prompt, "completion": completion}
+        if batch.reward is not None:
+            record["reward"] = float(batch.reward[i])
+        if batch.version is not None:
+            record["version"] = int(batch.version[i])
+        records.append(record)
+    return records
 
 
 def mismatch_sums(trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

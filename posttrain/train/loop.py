@@ -25,7 +25,7 @@ from posttrain.data.lengths import long_prompts
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
-from posttrain.train.build import build
+from posttrain.train.build import build, trainer_threads
 from posttrain.train.checkpoint import Checkpoints
 from posttrain.train.evaluation import Schedule
 from posttrain.train.rundir import RunDir, write_json
@@ -52,7 +52,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
-    threads = ThreadFit(cfg.train.threads)  # before any model is built: torch's pool has the size it will use
+    threads = ThreadFit(trainer_threads(cfg))  # before any model is built: torch's pool has the size it will use
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
@@ -65,100 +65,114 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
     engine = build(cfg, model_path, backend, splits)
-    summary["rollout_engine"] = engine.rollout.name  # the engine that really started
-    summary["weight_sync"] = engine.weight_sync  # none (colocated), full, or merged (LoRA)
-    summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
-    if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
-        summary["adapter_base"] = {"path": str(Path(model_path).resolve()),
-                                   "copy": checkpoints.BASE_COPY if cfg.model.path is None else None}
-    start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
-    if checkpoint is not None:
-        start, elapsed = state["step"], state["wall_seconds"]
-        engine.steps_done = start  # first: the rollout engine's policy version is the steps done
-        checkpoints.restore(checkpoint, engine)
-        engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
-        summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
-    backend.barrier()
-    out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
-    if main:
-        import yaml
-
-        (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
+    try:
+        summary["rollout_engine"] = engine.rollout.name  # the engine that really started
+        summary["weight_sync"] = engine.weight_sync  # none (colocated), full, merged (LoRA) or adapter (LoRA workers)
+        summary["placement"] = cfg.rollout.placement
+        summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
+        if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
+            summary["adapter_base"] = {"path": str(Path(model_path).resolve()),
+                                       "copy": checkpoints.BASE_COPY if cfg.model.path is None else None}
+        start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
         if checkpoint is not None:
-            keep_metrics_until(out / "metrics.jsonl", start)
-        if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
-            print(f"posttrain: train.precision=auto runs {chose.precision}: {chose.reason}", file=sys.stderr)
-        elif requested != "auto" and (warning := precision.emulation_warning(cfg.train.precision, run_device())):
-            print(f"posttrain: warning: {warning}", file=sys.stderr)
-        if warning := long_prompts(engine.tokenizer, *splits, cfg):  # once, over the data, not in the loop
-            print(f"posttrain: warning: {warning}", file=sys.stderr)
-        if not quiet:
-            which = f"resuming from step {start} ({checkpoint}) of the {summary['algorithm']} run" \
-                if checkpoint is not None else f"{summary['algorithm']} run from the start"  # resume=auto says which
-            print(f"posttrain: {which}, writing to {out} (moved to {run_dir.final} when done)", file=sys.stderr)
-    backend.barrier()
-    t = cfg.train
-    steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
-    stopper, done, stopped_at = engine.controllers.early_stop, start, None  # restored with the checkpoint
-    if stopper.checkpoint:
-        saver.protected = out / "checkpoints" / stopper.checkpoint
-    if schedule.on and checkpoint is None:
-        summary["eval_before"] = engine.evaluate()
-    with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, start=start, report_to=cfg.trackers,
-                 config=resolved, name=run_dir.final.name) as tracker:
-        for step in range(start + 1, steps + 1):
-            metrics = {"step": step, **engine.step()}
-            metrics["threads"] = threads.threads  # the step's; the next one's are fitted to the load seen in it
-            threads.update()
-            stopper.track(metrics)
-            best = False
-            if schedule.in_loop(step):
-                summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
-                metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
-                best = stopper.on and stopper.judge(step, summary["eval_after"])
-            metrics["wall_seconds"] = elapsed + time.perf_counter() - t_start
-            tracker.log(metrics)
-            done = step
-            checkpoints.crash_point("step", step)  # fault injection: logged, not yet saved
-            run_state = {"wall_seconds": metrics["wall_seconds"], "model_path": str(Path(model_path).resolve()),
-                         "evaluations": {k: summary[k] for k in ("eval_before", "eval_after") if k in summary},
-                         "skipped": [engine.skipped_steps, engine.skipped_in_a_row], "config": resolved}
-            if best:  # where the best checkpoint is, as it will be once this step's is written
-                stopper.checkpoint = saver.path(step).name
-            if t.max_skipped_steps and engine.skipped_in_a_row >= t.max_skipped_steps:
-                saved = saver.write(engine, step, run_state)
-                raise TrainingError(f"train.max_skipped_steps: {engine.skipped_in_a_row} steps in a row had a "
-                                    f"non-finite loss or gradient norm and were skipped; stopped at step {step} "
-                                    f"(checkpoint: {saved})")
-            if best:  # the checkpoint a run that stops early rolls back to, kept whatever keep_checkpoints says
-                saver.protected = saver.write(engine, step, run_state)
-            elif saver.due(step):
-                saver.write(engine, step, run_state)
-            backend.barrier()
-            if stopper.stop:
-                stopped_at = step
-                break
-    if schedule.after_loop:
-        summary["eval_after"] = engine.evaluate()
-    if stopper.on:
-        summary["early_stop"] = stopper.summary(stopped_at)
-        if stopper.best_step is not None and stopper.best_step != done:  # roll back to the best evaluation's model
-            engine.load_training_state(saver.protected / checkpoints.TRAINING_STATE)
-            summary["eval_after"] = stopper.best_evaluation
-    saver.final(engine)
-    summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
-                   memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
-                   output_dir=str(run_dir.final))
-    if main:
-        write_json(out / "summary.json", summary)
-        run_dir.commit()
-    backend.barrier()
-    return summary if main else None
+            start, elapsed = state["step"], state["wall_seconds"]
+            engine.steps_done = start  # first: the rollout engine's policy version is the steps done
+            checkpoints.restore(checkpoint, engine)
+            engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
+            summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
+        backend.barrier()
+        out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
+        if main:
+            import yaml
+
+            (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
+            if checkpoint is not None:
+                keep_metrics_until(out / "metrics.jsonl", start)
+            if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
+                print(f"posttrain: train.precision=auto runs {chose.precision}: {chose.reason}", file=sys.stderr)
+            elif requested != "auto" and (warning := precision.emulation_warning(cfg.train.precision, run_device())):
+                print(f"posttrain: warning: {warning}", file=sys.stderr)
+            if warning := long_prompts(engine.tokenizer, *splits, cfg):  # once, over the data, not in the loop
+                print(f"posttrain: warning: {warning}", file=sys.stderr)
+            if not quiet:
+                which = f"resuming from step {start} ({checkpoint}) of the {summary['algorithm']} run" \
+                    if checkpoint is not None else f"{summary['algorithm']} run from the start"  # resume=auto says which
+                print(f"posttrain: {which}, writing to {out} (moved to {run_dir.final} when done)", file=sys.stderr)
+        samples = out / ("samples.jsonl" if main else f"samples.rank{backend.rank}.jsonl")
+        if cfg.train.log_samples and checkpoint is not None:
+            keep_metrics_until(samples, start)  # the lines of steps after the checkpoint are logged again
+        backend.barrier()
+        t = cfg.train
+        steps, schedule, saver = t.steps, Schedule(cfg.eval, t.steps), Checkpoints(out, t.save_every, t.keep_checkpoints)
+        stopper, done, stopped_at = engine.controllers.early_stop, start, None  # restored with the checkpoint
+        if stopper.checkpoint:
+            saver.protected = out / "checkpoints" / stopper.checkpoint
+        if schedule.on and checkpoint is None:
+            summary["eval_before"] = engine.evaluate()
+        with Tracker(out / "metrics.jsonl" if main else None, steps, show=not quiet, start=start, report_to=cfg.trackers,
+                     config=resolved, name=run_dir.final.name) as tracker:
+            for step in range(start + 1, steps + 1):
+                metrics = {"step": step, **engine.step()}
+                metrics["threads"] = threads.threads  # the step's; the next one's are fitted to the load seen in it
+                threads.update()
+                stopper.track(metrics)
+                best = False
+                if schedule.in_loop(step):
+                    summary["eval_after"] = engine.evaluate()  # the last one is the final evaluation
+                    metrics["eval_accuracy"] = summary["eval_after"]["accuracy"]
+                    best = stopper.on and stopper.judge(step, summary["eval_after"])
+                metrics["wall_seconds"] = elapsed + time.perf_counter() - t_start
+                tracker.log(metrics)
+                if engine.samples:
+                    with samples.open("a") as f:
+                        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in engine.samples)
+                done = step
+                checkpoints.crash_point("step", step)  # fault injection: logged, not yet saved
+                run_state = {"wall_seconds": metrics["wall_seconds"], "model_path": str(Path(model_path).resolve()),
+                             "evaluations": {k: summary[k] for k in ("eval_before", "eval_after") if k in summary},
+                             "skipped": [engine.skipped_steps, engine.skipped_in_a_row], "config": resolved}
+                if best:  # where the best checkpoint is, as it will be once this step's is written
+                    stopper.checkpoint = saver.path(step).name
+                if t.max_skipped_steps and engine.skipped_in_a_row >= t.max_skipped_steps:
+                    saved = saver.write(engine, step, run_state)
+                    raise TrainingError(f"train.max_skipped_steps: {engine.skipped_in_a_row} steps in a row had a "
+                                        f"non-finite loss or gradient norm and were skipped; stopped at step {step} "
+                                        f"(checkpoint: {saved})")
+                if best:  # the checkpoint a run that stops early rolls back to, kept whatever keep_checkpoints says
+                    saver.protected = saver.write(engine, step, run_state)
+                elif saver.due(step):
+                    saver.write(engine, step, run_state)
+                backend.barrier()
+                if stopper.stop:
+                    stopped_at = step
+                    break
+        if schedule.after_loop:
+            summary["eval_after"] = engine.evaluate()
+        if stopper.on:
+            summary["early_stop"] = stopper.summary(stopped_at)
+            if stopper.best_step is not None and stopper.best_step != done:  # roll back to the best evaluation's model
+                engine.load_training_state(saver.protected / checkpoints.TRAINING_STATE)
+                summary["eval_after"] = stopper.best_evaluation
+        saver.final(engine)
+        if engine.producer is not None:  # the workers that really ran, and how often one was restarted
+            summary["rollout_workers"] = {"workers": len(engine.rollout.workers), "pids": engine.rollout.pids(),
+                                          "restarts": engine.rollout.restarts,
+                                          "max_staleness": cfg.rollout.max_staleness}
+        summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
+                       memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
+                       output_dir=str(run_dir.final))
+        if main:
+            write_json(out / "summary.json", summary)
+            run_dir.commit()
+        backend.barrier()
+        return summary if main else None
+    finally:
+        engine.close()  # rollout workers and the producer, when there are any
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """Drops the lines of metrics.jsonl after `step` (logged after the checkpoint a run resumes from), so the
-    resumed run's lines follow without a gap or a repeat. Written whole, then renamed."""
+    """Drops the lines of metrics.jsonl (or samples.jsonl) after `step` (logged after the checkpoint a run resumes
+    from), so the resumed run's lines follow without a gap or a repeat. Written whole, then renamed."""
     if not path.is_file():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,200 @@
+"""Rollout workers apart from the trainer (rollout.placement=separate): at max_staleness 0 a run is the synchronous
+algorithm, byte for byte the colocated run, even when a worker dies or hangs and is restarted; at k ≥ 1 every row is
+at most k versions stale; a checkpoint keeps the batches made ahead; bad settings are refused in one line.
+
+Each test first checks that the workers really ran (summary.json names their processes), so that a silent fallback
+to colocated sampling fails it."""
+
+import collections
+import json
+import os
+import signal
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
+from conftest import EASY
+
+from posttrain.rollout.workers import FAULT, Layout
+
+RUN = ["recipe=grpo_math", "train.threads=1", "train.steps=4", "train.batch_size=2", "algorithm.group_size=4",
+       "rollout.max_new_tokens=8", "eval.num_problems=4", *EASY, "-q"]
+SEPARATE = ["rollout.placement=separate", "rollout.worker_threads=1"]
+
+
+def run(model, out, *extra, env=None):
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return posttrain("run", *RUN, f"model.path={model}", f"output_dir={out}", *extra)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def weights(out):
+    return (out / "model" / "model.safetensors").read_bytes()
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_separate(out, restarts=0):
+    s = summary(out)
+    assert s["placement"] == "separate" and s["rollout_workers"]["workers"] == 1
+    assert all(pid != os.getpid() for pid in s["rollout_workers"]["pids"])
+    assert s["rollout_workers"]["restarts"] == restarts
+    assert all("time/wait_batch" in m for m in metrics(out))
+
+
+@pytest.fixture(scope="module")
+def colocated(warm_model_dir, tmp_path_factory):
+    """The synchronous run as it has always run, in the training process: the bytes the others must match."""
+    out = tmp_path_factory.mktemp("colocated") / "out"
+    proc = run(warm_model_dir, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert summary(out)["placement"] == "colocated"
+    return weights(out)
+
+
+@pytest.mark.parametrize("fault", [None, "die:2", "hang:3", "hang_weights:2"])
+def test_staleness_0_is_the_colocated_run_byte_for_byte(warm_model_dir, colocated, tmp_path, fault):
+    """Without a fault, and with a worker killed (die), stuck in sampling (hang) or stuck taking weights
+    (hang_weights) and restarted: the restarted worker gets the last weights and the request again, with the same
+    generator state, so the final weights are still the colocated run's."""
+    out = tmp_path / "separate"
+    separate = run(warm_model_dir, out, *SEPARATE, "rollout.worker_timeout_s=4",
+                   env={FAULT: fault} if fault else None)
+    assert separate.returncode == 0, separate.stderr[-2000:]
+    assert_separate(out, restarts=int(fault is not None))
+    if fault:
+        assert "posttrain: rollout worker 0 (pid" in separate.stderr and "restarted as pid" in separate.stderr
+        assert metrics(out)[-1]["rollout/worker_restarts"] == 1.0
+    assert [m["staleness/max"] for m in metrics(out)] == [0.0] * 4
+    assert weights(out) == colocated
+
+
+def test_lora_workers_take_the_adapter_alone_and_sample_as_colocated(warm_model_dir, tmp_path):
+    lora = ["model.lora.r=4", "train.lr=1e-2"]
+    colocated = run(warm_model_dir, tmp_path / "colocated", *lora)
+    assert colocated.returncode == 0, colocated.stderr[-2000:]
+    out = tmp_path / "separate"
+    separate = run(warm_model_dir, out, *lora, *SEPARATE)
+    assert separate.returncode == 0, separate.stderr[-2000:]
+    assert_separate(out)
+    assert summary(out)["weight_sync"] == "adapter"
+    adapter = "adapter_model.safetensors"
+    assert (out / "model" / adapter).read_bytes() == (tmp_path / "colocated" / "model" / adapter).read_bytes()
+
+
+def test_a_worker_past_its_restarts_stops_the_run_naming_it(warm_model_dir, tmp_path):
+    proc = run(warm_model_dir, tmp_path / "out", *SEPARATE, "rollout.max_worker_restarts=0", env={FAULT: "die:1"})
+    assert proc.returncode != 0
+    assert "rollout worker 0 (pid" in proc.stderr and "rollout.max_worker_restarts" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_staleness_1_runs_a_version_ahead_and_never_more(warm_model_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = run(warm_model_dir, out, *SEPARATE, "rollout.max_staleness=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_separate(out)
+    stale = [m["staleness/max"] for m in metrics(out)]
+    assert stale[0] == 0.0 and all(s <= 1.0 for s in stale) and max(stale) == 1.0
+
+
+def test_killed_and_resumed_at_staleness_0_equals_uninterrupted(warm_model_dir, tmp_path):
+    args = [*SEPARATE, "train.save_every=2"]
+    whole = run(warm_model_dir, tmp_path / "whole", *args)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out = tmp_path / "killed"
+    killed = run(warm_model_dir, out, *args, env={"POSTTRAIN_CRASH_AT": "step:3"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run(warm_model_dir, out, *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_separate(out)
+    assert summary(out)["resumed_from"]["step"] == 2
+    assert weights(out) == weights(tmp_path / "whole")
+
+
+def test_a_checkpoint_keeps_the_batch_made_ahead(warm_model_dir, tmp_path):
+    """At k = 1 the batch of step 3 is sampled while step 2 trains: step 2's checkpoint holds it, and the run killed
+    after step 3 trains it (again, from the checkpoint) when resumed, then goes on."""
+    args = [*SEPARATE, "rollout.max_staleness=1", "train.save_every=2"]
+    out = tmp_path / "killed"
+    killed = run(warm_model_dir, out, *args, env={"POSTTRAIN_CRASH_AT": "step:3"})
+    assert killed.returncode == -signal.SIGKILL
+    state = torch.load(tmp_path / "killed.partial" / "checkpoints" / "step_2" / "process_0.pt", weights_only=False)
+    ready = state["pipeline"]["ready"]
+    assert state["pipeline"]["made"] == 3 and [step for step, _, _ in ready] == [3]
+    assert ready[0][1].version.tolist() == [1] * 8  # sampled by the weights of step 1, one version behind step 3's
+    resumed = run(warm_model_dir, out, *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    assert metrics(out)[2]["staleness/max"] == 1.0
+
+
+def trained_prompts(out) -> list[list[str]]:
+    """Each step's trained prompts, in order, from samples.jsonl."""
+    steps = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], []).append(record["prompt"])
+    return [steps[s] for s in sorted(steps)]
+
+
+@pytest.fixture(scope="module")
+def ahead(warm_model_dir, tmp_path_factory):
+    """An uninterrupted run at k = 1: the prompts every step trains on, as samples.jsonl lists them."""
+    out = tmp_path_factory.mktemp("ahead") / "out"
+    proc = run(warm_model_dir, out, *SEPARATE, "rollout.max_staleness=1", "train.save_every=2", "train.steps=5",
+               "train.log_samples=true")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return trained_prompts(out)
+
+
+@pytest.mark.parametrize("crash", ["request:5", "push:3", "step:3", "checkpoint:4"])
+def test_killed_at_staleness_1_trains_every_prompt_exactly_once(warm_model_dir, ahead, tmp_path, crash):
+    """kill -9 of the training process while a batch is sampled ahead (request 5: step 4's batch, during step 3),
+    in the middle of a weight push (version 3), between a step and its checkpoint, and inside a checkpoint write;
+    resumed with the same command, the run trains every prompt it draws exactly once: each step the prompts of the
+    run never interrupted, in the same order (batches kept in the checkpoint are trained, not drawn again)."""
+    args = [*SEPARATE, "rollout.max_staleness=1", "train.save_every=2", "train.steps=5", "train.log_samples=true"]
+    out = tmp_path / "killed"
+    killed = run(warm_model_dir, out, *args, env={"POSTTRAIN_CRASH_AT": crash})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = run(warm_model_dir, out, *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_separate(out)
+    assert summary(out)["resumed_from"]["step"] == 2
+    prompts = trained_prompts(out)
+    assert len(prompts) == 5 and all(len(p) == 8 for p in prompts)
+    assert prompts == ahead
+    assert collections.Counter(p for step in prompts for p in step) == \
+        collections.Counter(p for step in ahead for p in step)
+
+
+def test_weights_travel_in_bounded_buckets():
+    tensors = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300)), ("d", torch.zeros(10,
+                                                                                                     dtype=torch.bfloat16))]
+    buckets = Layout.of(tensors, bucket_bytes=1000).buckets  # 250 float32 a bucket
+    assert [(d, n, [e[0] for e in entries]) for d, n, entries in buckets] == [
+        ("float32", 200, ["a", "b"]), ("float32", 300, ["c"]), ("bfloat16", 10, ["d"])]
+    assert buckets[0][2][1] == ("b", (100,), 100, 100)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["recipe=sft_math", "rollout.placement=separate"], "rollout.placement: separate rollout workers sample for"),
+    (["recipe=grpo_math", "rollout.max_staleness=1"], "rollout.max_staleness: applies to rollout.placement=separate"),
+    (["recipe=grpo_math", "rollout.placement=apart"], "rollout.placement: unknown 'apart'"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.workers=0"], "rollout.workers: must be ≥ 1"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.worker_timeout_s=0"],
+     "rollout.worker_timeout_s: must be > 0"),
+])
+def test_bad_settings_are_one_line_errors(tmp_path, args, fragment):
+    assert_one_line_error(posttrain_here("run", *args, f"output_dir={tmp_path / 'out'}"), fragment)
