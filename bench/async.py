@@ -2,25 +2,28 @@
 max_staleness k = 0, 1, 2 against the colocated synchronous run.
 
     python bench/async.py                                   # both variants, 3 seeds of accuracy; ~40 min on 2 cores
-    python bench/async.py --variants gsm8k-length --seeds 0 --steps 12
+    python bench/async.py --variants long-completions --seeds 0 --steps 12
 
-Variants (both on the embedded default's warmed-up model, in the recipe's precision):
-- embedded: `recipe=grpo_math` as it ships (32 prompts × 8 samples a step, completions of ~20 tokens);
-- gsm8k-length: the same model on GSM8K's questions (tests/fixtures/gsm8k, MIT) with `rollout.max_new_tokens=256`
-  and 8 prompts × 8 samples a step: prompts of ~200 tokens and long completions, where sampling dominates a step.
+Variants:
+- embedded: `recipe=grpo_math` as it ships (the warmed-up embedded model, 32 prompts × 8 samples a step,
+  completions of ~20 tokens, which the update outweighs);
+- long-completions: the embedded model's architecture untrained, on the same prompts, 8 prompts × 8 samples a step,
+  `rollout.max_new_tokens=256`: its completions end at random (a mean near 90 tokens, a tail to the budget, GSM8K's
+  worked solutions' range), so sampling is the larger part of a step. Accuracy means nothing there; throughput does.
 
 Each configuration is one `posttrain run` in its own process, with the trainer and one worker on one core each under
 `separate` (the worker's threads and the trainer's are the defaults: the usable cores shared between them). From
 metrics.jsonl it reports, over the steps after the first (which pays one-time costs):
-- steps/s and samples/s: steps, and sequences sampled, per second of wall time between the end of step 1 and the end
-  of the last step;
+- steps/s, samples/s and tokens/s: steps, sequences sampled and completion tokens sampled per second of wall time
+  between the end of step 1 and the end of the last step (vs colocated: the samples/s ratio);
 - the idle share of each side: the trainer's, Σ time/wait_batch over that wall time (colocated: the share of the step
   spent sampling, when the trainer does nothing else); the worker's, Σ time/worker_idle over it;
-- the mean staleness of the trained rows.
+- the mean staleness of the trained rows, and the mean completion length (response).
 With `--seeds` of two or more, it also runs the embedded variant's whole recipe (all its steps) per seed and
 configuration, and reports the held-out accuracy after training (eval_after, greedy, 500 problems): mean, and the
-spread (max − min) over the seeds. `--timeline FILE.png` plots the busy and idle time of each side for the k = 1 run
-of the first variant, from the clock stamps in its metrics.jsonl.
+spread (max − min) over the seeds (k = 0 is left out there: it samples as the colocated run does).
+`--timeline FILE.png` plots the busy and idle time of each side for the k = 1 run of the last variant, from the
+clock stamps in its metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -34,12 +37,10 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FIXTURES = HERE.parent / "tests" / "fixtures" / "gsm8k"
 VARIANTS = {
     "embedded": ["recipe=grpo_math"],
-    "gsm8k-length": ["recipe=grpo_math", "data.preset=gsm8k", f"data.path={FIXTURES / 'train_head.jsonl'}",
-                     f"data.test_path={FIXTURES / 'test_head.jsonl'}", "rollout.max_new_tokens=256",
-                     "train.batch_size=8", "eval.num_problems=0"],
+    "long-completions": ["recipe=grpo_math", "model.path={untrained}", "rollout.max_new_tokens=256",
+                         "train.batch_size=8"],
 }
 CONFIGS = {"colocated": [], "k=0": ["rollout.placement=separate"],
            "k=1": ["rollout.placement=separate", "rollout.max_staleness=1"],
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--steps", type=int, default=16, help="steps of each throughput run")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the accuracy runs (one: none)")
-    p.add_argument("--timeline", type=Path, help="a PNG of each side's busy and idle time (k=1, first variant)")
+    p.add_argument("--timeline", type=Path, help="a PNG of each side's busy and idle time (k=1, last variant)")
     return p.parse_args(argv)
 
 
@@ -69,12 +70,14 @@ def throughput(lines: list[dict]) -> dict:
     after = lines[1:]
     wall = lines[-1]["wall_seconds"] - lines[0]["wall_seconds"]
     samples = sum(m["generated_tokens"] / m["response_len"] for m in after)  # sequences sampled
+    tokens = sum(m["generated_tokens"] for m in after)
     if "time/wait_batch" in after[0]:
         trainer_idle = sum(m["time/wait_batch"] for m in after) / wall
         worker_idle = sum(m["time/worker_idle"] for m in after) / wall
     else:  # colocated: one process, sampling while the update waits
         trainer_idle, worker_idle = sum(m["time/rollout"] for m in after) / wall, float("nan")
-    return {"steps/s": len(after) / wall, "samples/s": samples / wall, "trainer idle": trainer_idle,
+    return {"steps/s": len(after) / wall, "samples/s": samples / wall, "tokens/s": tokens / wall,
+            "trainer idle": trainer_idle,
             "worker idle": worker_idle, "staleness": statistics.mean(m.get("staleness/mean", 0.0) for m in after),
             "response_len": statistics.mean(m["response_len"] for m in after)}
 
@@ -89,10 +92,11 @@ def timeline(lines: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 2.6))
     for m in lines:
         wait_end = m["clock/step_start"] + m["time/wait_batch"]
-        ax.broken_barh([(m["clock/step_start"], m["time/wait_batch"])], (10, 8), color="#dddddd")
-        ax.broken_barh([(wait_end, m["clock/step_end"] - wait_end)], (10, 8), color="#1f77b4")
+        edge = {"edgecolor": "white", "linewidth": 1}  # a gap between one step's or batch's bar and the next
+        ax.broken_barh([(m["clock/step_start"], m["time/wait_batch"])], (10, 8), color="#dddddd", **edge)
+        ax.broken_barh([(wait_end, m["clock/step_end"] - wait_end)], (10, 8), color="#1f77b4", **edge)
         ax.broken_barh([(m["clock/batch_start"], m["clock/batch_end"] - m["clock/batch_start"])], (0, 8),
-                       color="#ff7f0e")
+                       color="#ff7f0e", **edge)
     ax.set_yticks([4, 14], ["worker: sampling", "trainer: score + update"])
     ax.set_xlabel("seconds since the run's parts were built (grey: the trainer waits for its batch)")
     ax.set_title(title)
@@ -105,26 +109,31 @@ def main() -> None:
     variants, configs = args.variants.split(","), args.configs.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"{'variant':<14} {'config':<10} {'steps/s':>8} {'samples/s':>10} {'vs colocated':>13} "
+        from posttrain.models.embedded import build_model_dir
+
+        untrained = build_model_dir(Path(tmp) / "untrained", max_len=512)  # the embedded architecture, fresh
+        print(f"{'variant':<17} {'config':<10} {'steps/s':>8} {'samples/s':>10} {'vs colocated':>13} {'tokens/s':>9} "
               f"{'trainer idle':>13} {'worker idle':>12} {'staleness':>10} {'response':>9}")
         for variant in variants:
             base = None
             for config in configs:
-                lines = run([*VARIANTS[variant], *CONFIGS[config], f"train.steps={args.steps}", "eval.num_problems=0"],
+                given = [a.format(untrained=untrained) for a in VARIANTS[variant]]
+                lines = run([*given, *CONFIGS[config], f"train.steps={args.steps}", "eval.num_problems=0"],
                             Path(tmp) / variant / config)
                 t = throughput(lines)
                 base = t["samples/s"] if config == "colocated" else base
                 ratio = f"{t['samples/s'] / base:.2f}x" if base else "-"
-                print(f"{variant:<14} {config:<10} {t['steps/s']:>8.2f} {t['samples/s']:>10.1f} {ratio:>13} "
+                print(f"{variant:<17} {config:<10} {t['steps/s']:>8.2f} {t['samples/s']:>10.1f} {ratio:>13} "
+                      f"{t['tokens/s']:>9.0f} "
                       f"{t['trainer idle']:>13.0%} {t['worker idle']:>12.0%} {t['staleness']:>10.2f} "
                       f"{t['response_len']:>9.1f}", flush=True)
-                if args.timeline and config == "k=1" and variant == variants[0]:
+                if args.timeline and config == "k=1" and variant == variants[-1]:
                     timeline(lines, args.timeline, f"{variant}, rollout.placement=separate, max_staleness=1")
         if len(seeds) < 2:
             return
         print(f"\nheld-out accuracy after recipe=grpo_math's whole run (greedy, 500 problems), seeds {args.seeds}")
         print(f"{'config':<10} {'mean':>6} {'spread':>7}  per seed")
-        for config in configs:
+        for config in [c for c in configs if c != "k=0"]:  # k=0 samples as colocated does
             accuracy = []
             for seed in seeds:
                 out = Path(tmp) / "accuracy" / f"{config}-{seed}"

@@ -4,6 +4,7 @@ the same run never interrupted.
     python bench/kill_resume.py                 # 20 kills; about 10 min on 2 CPU cores
     python bench/kill_resume.py --kills 5 --seed 1
     python bench/kill_resume.py --backend fsdp2 # the sharded training state (one process)
+    python bench/kill_resume.py --set rollout.placement=separate   # sampling in a rollout worker (k = 0)
 
 The run is `grpo_math` on a freshly initialised tiny model (no warm-up), 8 steps with a checkpoint after every step,
 so a kill lands anywhere: while the model loads, during a step's sampling or update, inside a checkpoint write, or
@@ -76,8 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="ddp", help="train.backend (one process): ddp, fsdp2, zero2 or zero3")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, e.g. rollout.placement=separate (repeatable)")
     args = p.parse_args(argv)
-    RUN.append(f"train.backend={args.backend}")
+    RUN.extend([f"train.backend={args.backend}", *args.set])
     rng = random.Random(args.seed)
     from posttrain.models.embedded import build_model_dir
 
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     expected = (root / "whole" / "model" / "model.safetensors").read_bytes()
     walls = [json.loads(line)["wall_seconds"] for line in (root / "whole" / "metrics.jsonl").read_text().splitlines()]
     step_time = sorted(b - a for a, b in zip(walls, walls[1:]))[(STEPS - 1) // 2]  # median, checkpoint write included
-    print(f"train.backend={args.backend}; uninterrupted run: {duration:.1f} s, its first checkpoint at "
+    print(f"train.backend={args.backend}{''.join(' ' + o for o in args.set)}; uninterrupted run: {duration:.1f} s, its first checkpoint at "
           f"{first or 0:.1f} s, {step_time:.2f} s a step; "
           f"killing {args.kills} runs, each after a random number of logged steps and a random part of a step more")
     identical = corrupt = 0

@@ -207,9 +207,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     curriculum.check(cfg, plugin)
     difficulty.check(cfg, plugin)  # per-difficulty group sizes
     stages.check(cfg, plugin)  # each stage of the online source refuses what it cannot serve
-    if cfg.rollout.placement == "separate" and plugin.source != "online":
-        raise ConfigError(f"rollout.placement: separate rollout workers sample for the online methods; {plugin.name} "
-                          "samples nothing as it trains (use rollout.placement=colocated)")
+    if cfg.rollout.max_staleness and plugin.source != "online":
+        raise ConfigError(f"rollout.max_staleness: workers run ahead for the online methods, which sample as they "
+                          f"train; {plugin.name} does not (its samples, if any, are drawn once)")
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
                           f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")

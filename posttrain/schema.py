@@ -204,7 +204,8 @@ class RolloutConfig(Freezable):
     tis_cap: float | None = None
     """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
     ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
-    2025), bounded by this cap C as `tis_mode` says; null: off."""
+    2025), bounded by this cap C as `tis_mode` says; null: off, except under placement=separate with max_staleness
+    ≥ 1, where stale samples are always corrected, with C = 2 unless given (docs/async.md)."""
     tis_mode: str = "token_truncate"
     """How tis_cap bounds the ratio: token_truncate, min(ρ_t, C) per token; token_mask, ρ_t, or 0 where ρ_t > C;
     sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
@@ -278,6 +279,8 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
+        if self.tis_cap is None and self.placement == "separate" and self.max_staleness > 0:
+            self.tis_cap = STALE_TIS_CAP  # stale samples are never trained on as if fresh
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
         if self.tis_mode not in TIS_MODES:
@@ -493,6 +496,7 @@ class RewardModelConfig(Freezable):
 
 
 PLACEMENTS = ("colocated", "separate")  # rollout.placement
+STALE_TIS_CAP = 2.0  # rollout.tis_cap where samples may be stale and none is given
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
 PROCESS_REWARDS = ("none", "steps", "model")  # rewards.process: where step rewards come from
 REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which samples each objective is z-scored

@@ -92,6 +92,24 @@ def test_lora_workers_take_the_adapter_alone_and_sample_as_colocated(warm_model_
     assert (out / "model" / adapter).read_bytes() == (tmp_path / "colocated" / "model" / adapter).read_bytes()
 
 
+@pytest.mark.parametrize("recipe", ["rft_math", "dpo_math"])
+def test_sample_once_sets_are_drawn_by_the_workers_as_colocated(warm_model_dir, tmp_path, recipe):
+    """RFT's kept samples and DPO's pairs come from the starting model, sampled once through the workers (and the
+    held-out evaluation too): with one worker drawing from the trainer's generator, the run ends as the colocated
+    one. Their sample caches are keyed by the rollout settings, placement included, so the second run samples anew."""
+    args = ["recipe=" + recipe, "train.threads=1", "train.steps=3", "train.batch_size=4", "algorithm.num_prompts=8",
+            "rollout.max_new_tokens=8", "eval.num_problems=4", *EASY, "-q", f"model.path={warm_model_dir}"]
+    colocated = posttrain("run", *args, f"output_dir={tmp_path / 'colocated'}")
+    assert colocated.returncode == 0, colocated.stderr[-2000:]
+    out = tmp_path / "separate"
+    separate = posttrain("run", *args, *SEPARATE, f"output_dir={out}")
+    assert separate.returncode == 0, separate.stderr[-2000:]
+    s = summary(out)
+    assert s["placement"] == "separate" and s["rollout_workers"]["workers"] == 1
+    assert s["rollout_workers"]["requests"] >= 2  # the sample-once set and the evaluations
+    assert weights(out) == weights(tmp_path / "colocated")
+
+
 def test_a_worker_past_its_restarts_stops_the_run_naming_it(warm_model_dir, tmp_path):
     proc = run(warm_model_dir, tmp_path / "out", *SEPARATE, "rollout.max_worker_restarts=0", env={FAULT: "die:1"})
     assert proc.returncode != 0
@@ -106,6 +124,9 @@ def test_staleness_1_runs_a_version_ahead_and_never_more(warm_model_dir, tmp_pat
     assert_separate(out)
     stale = [m["staleness/max"] for m in metrics(out)]
     assert stale[0] == 0.0 and all(s <= 1.0 for s in stale) and max(stale) == 1.0
+    # stale samples are corrected by default: truncated importance weights, C = 2
+    assert "tis_cap: 2.0" in (out / "config.yaml").read_text()
+    assert all("mismatch/tis_capped" in m for m in metrics(out))
 
 
 def test_killed_and_resumed_at_staleness_0_equals_uninterrupted(warm_model_dir, tmp_path):
@@ -189,9 +210,10 @@ def test_weights_travel_in_bounded_buckets():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["recipe=sft_math", "rollout.placement=separate"], "rollout.placement: separate rollout workers sample for"),
     (["recipe=grpo_math", "rollout.max_staleness=1"], "rollout.max_staleness: applies to rollout.placement=separate"),
     (["recipe=grpo_math", "rollout.placement=apart"], "rollout.placement: unknown 'apart'"),
+    (["recipe=rft_math", "rollout.placement=separate", "rollout.max_staleness=1"],
+     "rollout.max_staleness: workers run ahead for the online methods"),
     (["recipe=grpo_math", "rollout.placement=separate", "rollout.workers=0"], "rollout.workers: must be ≥ 1"),
     (["recipe=grpo_math", "rollout.placement=separate", "rollout.worker_timeout_s=0"],
      "rollout.worker_timeout_s: must be > 0"),

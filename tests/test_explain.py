@@ -20,17 +20,20 @@ def plan_of(recipe: str, *overrides: str, world: int = 1) -> explain.Plan:
 
 
 @pytest.mark.parametrize(("recipe", "lines"), [
-    ("grpo_math", ["sequences sampled (8 per prompt)", "256", "1 optimizer step per batch",
+    ("recipe=grpo_math", ["sequences sampled (8 per prompt)", "256", "1 optimizer step per batch",
                    "reference        frozen", "on-policy"]),
-    ("ppo_math", ["2 epochs (μ) × 2 minibatches of 64 rows each = 4 optimizer steps per batch",
+    ("recipe=ppo_math", ["2 epochs (μ) × 2 minibatches of 64 rows each = 4 optimizer steps per batch",
                   "240 optimizer steps in the run", "critic           trained", "3 optimizer steps behind",
                   "old log-probs"]),
-    ("dpo_math", ["pairs (train.batch_size)", "sequences trained on", "64", "then freed", "fixed data"]),
-    ("sft_math", ["rows (train.batch_size)", "data.max_response_len", "fixed data"]),
+    ("recipe=dpo_math", ["pairs (train.batch_size)", "sequences trained on", "64", "then freed", "fixed data"]),
+    ("recipe=sft_math", ["rows (train.batch_size)", "data.max_response_len", "fixed data"]),
+    ("recipe=ppo_math rollout.placement=separate rollout.max_staleness=2",  # 2 steps of 4 optimizer steps ahead
+     ["rollout workers  frozen", "up to 8 optimizer steps behind", "the last is 11 optimizer steps behind",
+      "rollout.tis_cap=2, token_truncate"]),
 ])
 def test_explain_prints_the_plan(recipe, lines, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert cli.main(["explain", f"recipe={recipe}"]) == 0
+    assert cli.main(["explain", *recipe.split()]) == 0
     out = capsys.readouterr().out
     text = " ".join(out.split())  # the prose is wrapped
     for line in lines + ["Nothing was run", "Models:", "How far off-policy:", "Memory per GPU", "total"]:

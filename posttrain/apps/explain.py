@@ -196,9 +196,16 @@ def models(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[list[
     a, adapters, name = cfg.algorithm, cfg.model.lora.r, plugin.name
     start = cfg.model.path or "the embedded tiny model, warmed up with SFT (cached)"
     trained = f"LoRA adapters of rank {adapters} trained, the base frozen" if adapters else "every weight trained"
-    samples = "samples the rollouts; " if source.on_policy and cfg.rollout.engine == "hf" else ""
+    r = cfg.rollout
+    samples = "samples the rollouts; " if source.on_policy and r.engine == "hf" and r.placement == "colocated" else ""
     out, notes = [Model("policy", start, True, f"{samples}{trained}")], []
-    if cfg.rollout.engine != "hf":  # started for every run: evaluation samples through it too
+    if r.placement == "separate":  # started for every run: evaluation samples through them too
+        sent = " (the LoRA adapter alone)" if adapters and r.engine == "hf" else \
+            " (LoRA adapters merged in)" if adapters else ""
+        out.append(Model("rollout workers", f"rollout.placement=separate: {_n(r.workers, 'process')} "
+                         f"running rollout.engine={r.engine}, each its own copy of the policy's weights", False,
+                         f"sample; take the policy's weights after each step{sent}"))
+    elif r.engine != "hf":  # started for every run: evaluation samples through it too
         out.append(Model("rollout engine", f"rollout.engine={cfg.rollout.engine}, its own copy of the policy's "
                          "weights", False, "samples; gets the policy's weights after each step" +
                          (" (LoRA adapters merged in)" if adapters else "")))
@@ -311,16 +318,23 @@ def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
             return None, ["fixed data: samples of the starting model, drawn once; they are never drawn again, so at "
                           f"step k they are (k − 1) × {plan.updates_per_step} optimizer steps behind the policy"]
         return None, ["fixed data: rows no policy of the run drew"]
-    behind = plan.updates_per_step - 1
+    ahead = r.max_staleness * plan.updates_per_step  # optimizer steps the workers may sample ahead
+    behind = ahead + plan.updates_per_step - 1
     words = ["the step's first optimizer step trains on samples of the policy it updates (on-policy)"]
-    if behind:
+    if ahead:
+        words = [f"rollout.max_staleness={r.max_staleness}: the workers sample up to {_n(r.max_staleness, 'step')} "
+                 f"ahead, so the step's first optimizer step trains on samples of a policy up to "
+                 f"{_n(ahead, 'optimizer step')} behind the one it updates; each token's GC is weighted by the "
+                 f"truncated importance ratio (rollout.tis_cap={r.tis_cap:g}, {r.tis_mode})"]
+    if plan.updates_per_step > 1:
         words.append(f"each later one is one step further behind: the last is {_n(behind, 'optimizer step')} behind "
-                     f"(μ={plan.epochs} × {_n(len(plan.minibatch_rows), 'minibatch')} − 1); the sampling policy's "
+                     f"({f'{ahead} + ' if ahead else ''}μ={plan.epochs} × "
+                     f"{_n(len(plan.minibatch_rows), 'minibatch')} − 1); the sampling policy's "
                      "log-probs (old_logp) are scored before the first, for the clipped ratio")
     if r.elite_pool:
         words.append("replayed elite completions were drawn by the policy of an earlier step, any number of steps "
                      f"behind; their GC is weighted by min(π_old / μ, rollout.elite_is_cap={r.elite_is_cap:g})")
-    if r.engine != "hf":
+    if r.engine != "hf" and not ahead:
         cap = f"; rollout.tis_cap={r.tis_cap:g} weights each token ({r.tis_mode})" if r.tis_cap is not None else ""
         words.append(f"{r.engine} samples with its own kernels, so its log-probs differ slightly from the trainer's "
                      f"(logged as mismatch/kl){cap}")

@@ -71,7 +71,7 @@ class WorkerSpec:
     max_seqs: int
     threads: int
     timeout_s: float
-    attention: str | None = None  # the trainer's sampler's attention implementation (the backend chooses it)
+    attention: str | None = None  # the attention implementation to sample with; None: the model's own
 
 
 # -- the worker process -----------------------------------------------------------------------------------------------

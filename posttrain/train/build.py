@@ -104,6 +104,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     engine = Engine(cfg=cfg, backend=backend, model_path=model_path, plugin=plugin, needs=needs, tokenizer=tokenizer,
                      judge=judge, policy=trained_policy, ref=ref, ref_is_base=ref_is_base, critic=critic,
                      rollout=rollouts, controllers=controllers, test_rows=test_rows, parameters=parameters, roles=roles)
+    if separate:  # version 0, before a source samples through them: the workers loaded the start model's files, and
+        engine.sync_rollout()  # an adapter starts afresh
     with backend.autocast():  # sources that sample a fixed set (RFT) do it here
         source = source_cls.from_deps(Deps(
             tokenizer=tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=controllers.draws,
@@ -116,10 +118,9 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None))
     engine.source = source
-    if separate:
+    if separate and source_cls.on_policy:  # the online source's batches, made ahead; the others sampled at the start
         engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,
                                    backend.autocast)
-        engine.sync_rollout()  # version 0: the workers loaded the start model's files; an adapter starts afresh
     if source.scores_reference:
         engine.ref, engine.ref_is_base = None, False  # the source holds the reference log-probs it needs
     rm = getattr(judge.reward_model, "model", None)
@@ -140,9 +141,17 @@ def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerPoo
                       lora=cfg.model.lora if takes_adapter else None, sampling=r, pad_id=setup.pad_id,
                       stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs, threads=threads,
                       timeout_s=r.worker_timeout_s,
-                      attention=getattr(getattr(setup.policy, "config", None), "_attn_implementation", None))
+                      attention=trainer_attention(setup.policy) if r.max_staleness == 0 else None)
     return WorkerPool(spec, r.workers, cpus=cpus, shared_rng=r.max_staleness == 0 and r.workers == 1,
                       max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+
+
+def trainer_attention(policy) -> str | None:
+    """The attention the trainer's sampler computes with (the backend chose it for the update's backward: eager for
+    bf16 on CPU). Workers at max_staleness 0 use it too, so that they sample exactly as the colocated run; at k ≥ 1,
+    whose samples are off-policy anyway, they keep the model's own (SDPA), which decodes ~20% faster on one CPU
+    thread and has no backward to be slow in."""
+    return getattr(getattr(policy, "config", None), "_attn_implementation", None)
 
 
 def worker_cores(r) -> tuple[int, list[list[int]] | None]:

@@ -154,9 +154,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                 engine.load_training_state(saver.protected / checkpoints.TRAINING_STATE)
                 summary["eval_after"] = stopper.best_evaluation
         saver.final(engine)
-        if engine.producer is not None:  # the workers that really ran, and how often one was restarted
+        if cfg.rollout.placement == "separate":  # the workers that really ran, and how often one was restarted
             summary["rollout_workers"] = {"workers": len(engine.rollout.workers), "pids": engine.rollout.pids(),
-                                          "restarts": engine.rollout.restarts,
+                                          "requests": engine.rollout.calls, "restarts": engine.rollout.restarts,
                                           "max_staleness": cfg.rollout.max_staleness}
         summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
                        memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
