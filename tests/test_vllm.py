@@ -229,7 +229,7 @@ def test_separate_workers_on_vllm_take_weight_pushes(tmp_path):
     sampled one version ahead. Asserted first: the worker really ran vLLM, in another process."""
     out = tmp_path / "run"
     proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", "rollout.placement=separate",
-                   "rollout.max_staleness=1", "train.steps=12", "eval.num_problems=50", f"output_dir={out}")
+                   "rollout.max_staleness=1", "train.steps=8", "eval.num_problems=20", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and summary["placement"] == "separate"
