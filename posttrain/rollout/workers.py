@@ -138,16 +138,25 @@ def start_engine(spec: WorkerSpec) -> RolloutEngine:
                                         precision=spec.precision, seed=spec.seed, max_seqs=spec.max_seqs))
 
 
+GONE = object()  # next_message's answer when the training process has exited
+
+
+def next_message(messages, parent: int):
+    """The next item of a queue from the training process, or GONE once that process (`parent`) has exited."""
+    while True:
+        try:
+            return messages.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return GONE
+
+
 def receive(group, inbox, staging: Staging, parent: int, timeout: datetime.timedelta, incarnation: int) -> None:
     """The receiver thread: takes each pushed version into the staging buffers."""
     for pushes in itertools.count(1):
-        while True:
-            try:
-                message = inbox.get(timeout=POLL_S)
-                break
-            except queue.Empty:
-                if os.getppid() != parent:
-                    os._exit(0)
+        message = next_message(inbox, parent)
+        if message is GONE:
+            os._exit(0)
         if message is None:
             return
         fault("hang_weights", pushes, incarnation)
@@ -180,14 +189,8 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
     mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
     idle_since = time.perf_counter()
     for served in itertools.count(1):
-        while True:
-            try:
-                message = requests.get(timeout=POLL_S)
-                break
-            except queue.Empty:
-                if os.getppid() != parent:
-                    return
-        if message is None:
+        message = next_message(requests, parent)
+        if message is None or message is GONE:
             return
         rid, prompts, n, sampling, min_version, rng = message
         idle = time.perf_counter() - idle_since
