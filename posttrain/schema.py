@@ -260,7 +260,8 @@ class RolloutConfig(Freezable):
     to version v was sampled by version v − 1 − k or later. 0 is the synchronous algorithm (on CPU with the hf
     engine, byte for byte the colocated run); each step logs staleness/mean and staleness/max."""
     workers: int = 1
-    """separate: rollout worker processes; a step's prompts are split between them."""
+    """separate: rollout worker processes; a step's prompts are split between them. With several training processes
+    the first starts them and every process samples through them."""
     worker_threads: int = 0
     """separate: compute threads (and cores, where there are enough) of each worker; 0: the usable cores shared
     evenly between the workers and the trainer."""

@@ -6,6 +6,8 @@ Each test first checks that the workers really ran (summary.json names their pro
 to colocated sampling fails it."""
 
 import collections
+import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -131,10 +133,10 @@ def test_killed_and_resumed_at_staleness_0_equals_uninterrupted(warm_model_dir, 
     assert weights(out) == colocated
 
 
-def trained_prompts(out) -> list[list[str]]:
-    """Each step's trained prompts, in order, from samples.jsonl."""
+def trained_prompts(out, name="samples.jsonl") -> list[list[str]]:
+    """Each step's trained prompts, in order, from samples.jsonl (or another process's file)."""
     steps = {}
-    for line in (out / "samples.jsonl").read_text().splitlines():
+    for line in (out / name).read_text().splitlines():
         record = json.loads(line)
         steps.setdefault(record["step"], []).append(record["prompt"])
     return [steps[s] for s in sorted(steps)]
@@ -209,3 +211,122 @@ def test_weights_travel_in_bounded_buckets():
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, args, fragment):
     assert_one_line_error(posttrain_here("run", *args, f"output_dir={tmp_path / 'out'}"), fragment)
+
+
+# -- several training processes sharing the workers (torchrun, 2 processes over gloo) --------------------------------
+def two_ranks(model, out, backend, *extra, env=None):
+    from test_distributed import torchrun
+
+    return torchrun("-m", "posttrain", "run", *RUN, f"model.path={model}", f"output_dir={out}",
+                    f"train.backend={backend}", "eval.num_problems=5", *extra, env=env)
+
+
+def assert_shared(out, backend):
+    s = summary(out)
+    assert s["world_size"] == 2 and s["backend"] == backend
+    assert_separate(out)
+
+
+def test_two_ddp_processes_share_one_worker_byte_for_byte(warm_model_dir, tmp_path):
+    """Under ddp, both training processes sample through the first's worker: at max_staleness 0 each process's part
+    is drawn from its own generator, so the run ends with the bytes of the colocated ddp run (where each process
+    samples for itself). 5 held-out problems: the processes' shards differ in size, the calls still pair up."""
+    colocated = two_ranks(warm_model_dir, tmp_path / "colocated", "ddp")
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    out = tmp_path / "separate"
+    separate = two_ranks(warm_model_dir, out, "ddp", *SEPARATE)
+    assert separate.returncode == 0, separate.stderr[-3000:]
+    assert_shared(out, "ddp")
+    assert weights(out) == weights(tmp_path / "colocated")
+    assert weights(out) != (warm_model_dir / "model.safetensors").read_bytes()  # it learned: the bytes say something
+    assert summary(out)["eval_after"]["num_problems"] == 5
+    assert summary(out)["rollout_workers"]["requests"] >= 6  # a call a step, for both processes, and 2 evaluations
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=[
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None and not os.environ.get(
+        "POSTTRAIN_REQUIRE_DEEPSPEED"), reason="DeepSpeed is not installed")])])
+def test_sharded_weights_reach_the_worker_whole(warm_model_dir, tmp_path, backend):
+    """Under fsdp2 and zero3 each process holds half of every weight: the push gathers them one at a time, and the
+    worker then samples with the trainer's weights: at max_staleness 0 in fp32, the sampler's log-probs are the
+    trainer's to float rounding at every step (a version behind they differ by 3e-4 here; a shard, a stale or a
+    missing push shows)."""
+    out = tmp_path / "out"
+    proc = two_ranks(warm_model_dir, out, backend, *SEPARATE, "train.precision=fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_shared(out, backend)
+    steps = metrics(out)
+    assert [m["staleness/max"] for m in steps] == [0.0] * 4
+    assert all(abs(m["mismatch/kl"]) < 1e-6 for m in steps), [m["mismatch/kl"] for m in steps]
+    assert all(m["time/weight_sync"] > 0 for m in steps)
+
+
+def test_two_processes_killed_at_staleness_1_train_every_prompt_exactly_once(warm_model_dir, tmp_path):
+    """Two ddp processes at k = 1, the first killed (kill -9) while a batch is sampled ahead, then the same command:
+    each process trains every prompt it draws exactly once, the prompts of the run never interrupted, in order."""
+    args = [*SEPARATE, "rollout.max_staleness=1", "train.save_every=2", "train.steps=5", "train.log_samples=true"]
+    whole = two_ranks(warm_model_dir, tmp_path / "whole", "ddp", *args)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = tmp_path / "killed"
+    killed = two_ranks(warm_model_dir, out, "ddp", *args, env={"POSTTRAIN_CRASH_AT": "request:5"})
+    assert killed.returncode != 0
+    resumed = two_ranks(warm_model_dir, out, "ddp", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_shared(out, "ddp")
+    assert summary(out)["resumed_from"]["step"] == 2
+    for name in ("samples.jsonl", "samples.rank1.jsonl"):
+        prompts, uninterrupted = trained_prompts(out, name), trained_prompts(tmp_path / "whole", name)
+        assert len(prompts) == 5 and all(len(p) == 8 for p in prompts)
+        assert prompts == uninterrupted
+
+
+def test_a_checkpoint_holds_every_batch_the_producer_may_make():
+    """The producer's snapshot waits until it has made every batch it may (k past the trainer's request), so two
+    training processes that share the workers snapshot the same batches whatever their timing: here the snapshot is
+    taken right after step 2's batch (made ahead) was handed over, before the producer could start batch 3."""
+    import time
+    from types import SimpleNamespace
+
+    from posttrain.train.producer import Producer
+
+    class Source:
+        made = 0
+
+        def next(self):
+            self.made += 1
+            return SimpleNamespace(step=self.made), {}
+
+    pool = SimpleNamespace(take_idle=lambda: 0.0, restarts=0, state_dict=lambda: {"rng": None})
+    producer = Producer(Source(), SimpleNamespace(at=lambda step: None), pool, k=1, steps=5,
+                        autocast=contextlib.nullcontext)
+    try:
+        assert producer.next(1)[0].step == 1
+        while producer.made < 2:  # batch 2, made ahead during step 1
+            time.sleep(0.01)
+        assert producer.next(2)[0].step == 2
+        with producer.paused() as state:
+            assert state["made"] == 3 and [step for step, _, _ in state["ready"]] == [3]
+    finally:
+        producer.stop()
+        producer.join()
+
+
+def test_a_sharded_reward_model_beside_shared_workers_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """Under fsdp2 a reward model's weights are sharded, so its forward (in the producer thread) would run beside the
+    update's collectives: refused, naming the key, on both processes, before any step."""
+    from test_distributed import torchrun
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    rm = tmp_path / "rm"
+    LlamaForSequenceClassification(AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm)
+    proc = torchrun("-m", "posttrain", "run", "recipe=grpo_math", f"model.path={tiny_model_dir}",
+                    f"output_dir={tmp_path / 'out'}", f"reward_model.path={rm}", "train.backend=fsdp2", *SEPARATE,
+                    "train.steps=1", "eval.num_problems=0", *EASY)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("posttrain: error:")]
+    assert len(errors) == 2 and all("reward_model.path: a reward model is sharded under train.backend=fsdp2" in e
+                                    for e in errors), proc.stderr[-2000:]
+    frames = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("File ")]
+    assert all("<frozen" in f or "/torch/" in f for f in frames)  # torchrun's own report of the exit status 2
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -21,8 +21,8 @@ needs_deepspeed = pytest.mark.skipif(
     reason="DeepSpeed is not installed (pip install 'posttrain[deepspeed]')")
 
 
-def torchrun(*args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(*args, timeout=300, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -178,7 +178,7 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
         sampled_tokens=(sampled[0] * r.max_new_tokens, sampled[1] * r.max_new_tokens), response_budget=budget,
         scored=[k for k in ("ref_logp", "old_logp", "values")
                 if k in needs and not (k == "ref_logp" and source.scores_reference)])
-    plan.models, plan.notes = models(cfg, plugin, source, needs)
+    plan.models, plan.notes = models(cfg, plugin, source, needs, world)
     plan.stages, unknown = stages(cfg, plugin, source, needs, rows)
     plan.notes += unknown
     plan.max_lag, plan.lag = lag(cfg, plan)
@@ -190,7 +190,7 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
     return plan
 
 
-def models(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[list[Model], list[str]]:
+def models(cfg: RunConfig, plugin, source, needs: frozenset[str], world: int = 1) -> tuple[list[Model], list[str]]:
     """The models a run loads for `needs` (the rules of posttrain/train/build.py), and notes on paths given but not
     loaded."""
     a, adapters, name = cfg.algorithm, cfg.model.lora.r, plugin.name
@@ -203,7 +203,9 @@ def models(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[list[
         sent = " (the LoRA adapter alone)" if adapters and r.engine == "hf" else \
             " (LoRA adapters merged in)" if adapters else ""
         out.append(Model("rollout workers", f"rollout.placement=separate: {_n(r.workers, 'process')} "
-                         f"running rollout.engine={r.engine}, each its own copy of the policy's weights", False,
+                         f"running rollout.engine={r.engine}, each its own copy of the policy's weights"
+                         + (f", started by the first of the {world} training processes and shared by all" if world > 1
+                            else ""), False,
                          f"sample; take the policy's weights after each step{sent}"))
     elif r.engine != "hf":  # started for every run: evaluation samples through it too
         out.append(Model("rollout engine", f"rollout.engine={cfg.rollout.engine}, its own copy of the policy's "

@@ -53,6 +53,8 @@ POLL_S = 1.0  # how often a waiting side looks whether the other is still alive
 START_S = 300.0  # the least time a worker is given to start (import torch, load the model, start its engine)
 FAULT = "POSTTRAIN_WORKER_FAULT"  # fault injection for the tests: die:N, hang:N (the N-th sampling request) or
 # hang_weights:N (the N-th weight push), in a worker's first incarnation only
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
           replies) -> None:
     """A worker process's main: connect, build the engine, then answer sampling requests until told to stop."""
     parent = os.getppid()
+    for key in LAUNCHER_ENV:  # a training process's launcher (torchrun, accelerate) set them for itself alone: an
+        os.environ.pop(key, None)  # engine that reads them (vLLM) would take this worker for a training process
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
@@ -382,16 +386,35 @@ class WorkerPool(RolloutEngine):
     # -- sampling ---------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
-        sizes = counts(n, len(prompts))
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
+        rng = torch.get_rng_state() if self.shared_rng else None
+        [(batch, rng)] = self.sample([(prompts, n, rng)], sampling)
+        if self.shared_rng:
+            torch.set_rng_state(rng)
+        return batch
+
+    def sample(self, parts: list[tuple], sampling: dict) -> list[tuple[Batch, torch.Tensor | None]]:
+        """One sampling call made of `parts`, (prompts, n, generator state) each: one per training process when
+        several share the workers (posttrain.rollout.shared). Returns each part's batch, and with a shared generator
+        (one worker, max_staleness 0) the part's generator state after it: the worker answers each part in turn from
+        the part's own state, so it samples what that process's colocated engine would have. Otherwise the prompts
+        of all parts are split between the workers, each drawing from its own stream, and the rows handed back by
+        part."""
         with self._requests:
-            share = -(-len(prompts) // len(self.workers))
             requests = []
-            for i, first in enumerate(range(0, len(prompts), share)):
-                part = slice(first, first + share)
-                rng = torch.get_rng_state() if self.shared_rng else self.rng[i]
-                requests.append(Request(next(self._ids), i, prompts[part], n if isinstance(n, int) else sizes[part],
-                                        sampling, max(self.pushed, 0), rng, first=first))
+            if self.shared_rng:
+                for prompts, n, rng in parts:
+                    requests.append(Request(next(self._ids), 0, prompts, n, sampling, max(self.pushed, 0), rng))
+            else:
+                prompts = [p for part in parts for p in part[0]]
+                sizes = [c for part in parts for c in counts(part[1], len(part[0]))]
+                uniform = all(isinstance(part[1], int) and part[1] == parts[0][1] for part in parts)
+                share = -(-len(prompts) // len(self.workers))
+                for i, first in enumerate(range(0, len(prompts), share)):
+                    part = slice(first, first + share)
+                    n = parts[0][1] if uniform else sizes[part]
+                    requests.append(Request(next(self._ids), i, prompts[part], n, sampling, max(self.pushed, 0),
+                                            self.rng[i], first=first))
             for r in requests:
                 self._send(r)
             self.calls += 1
@@ -399,15 +422,25 @@ class WorkerPool(RolloutEngine):
             batches = []
             for r in requests:
                 batch, version, rng, idle = self._answer(r)
-                if self.shared_rng:
-                    torch.set_rng_state(rng)
-                else:
+                if not self.shared_rng:
                     self.rng[r.worker] = rng
                 self.idle += idle
                 batch.version = torch.full((len(batch),), version, dtype=torch.long)  # [b]
                 batch.group = batch.group + r.first
-                batches.append(batch)
-        return batches[0] if len(batches) == 1 else concat(batches, self.spec.pad_id)
+                batches.append((batch, rng))
+        if self.shared_rng:
+            return batches
+        whole = batches[0][0] if len(batches) == 1 else concat([b for b, _ in batches], self.spec.pad_id)
+        if len(parts) == 1:
+            return [(whole, None)]
+        out, first = [], 0
+        for prompts, _, _ in parts:  # each part's rows: those answering its prompts, numbered from 0 again
+            mine = (whole.group >= first) & (whole.group < first + len(prompts))
+            rows = whole.select(mine)
+            rows.group = rows.group - first
+            out.append((rows.trimmed(), None))
+            first += len(prompts)
+        return out
 
     def _send(self, r: Request) -> None:
         w = self.workers[r.worker]
@@ -451,19 +484,26 @@ class WorkerPool(RolloutEngine):
 
     # -- weights ----------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Pushes `weights` to every worker as version `self.version`; returns the bytes sent to each."""
+        """Pushes `weights` to every worker as version `self.version`; returns the bytes sent to each.
+
+        The weights are taken one at a time into this process's flat buckets (on the CPU), so where a backend
+        gathers each from its shards (fsdp2, zero3) only one whole weight at a time exists on the device."""
         version = self.version
-        with self._weights:
-            tensors = [(name, t.detach()) for name, t in weights]
-            if self.layout is None:
-                self.layout = Layout.of(tensors, self.bucket_bytes).buckets
+        with self._weights, torch.no_grad():
+            items = ((name, t.detach()) for name, t in weights)
+            if self.layout is None:  # the first push lays the buckets out: the weights copied once, then placed
+                items = [(name, t.to("cpu", copy=True)) for name, t in items]
+                self.layout = Layout.of(items, self.bucket_bytes).buckets
                 self.buffers = [torch.empty(numel, dtype=getattr(torch, d)) for d, numel, _ in self.layout]
             views = dict(unpack(self.layout, self.buffers))
-            if len(views) != len(tensors):
-                raise TrainingError(f"rollout workers: {len(tensors)} weights to push, the layout holds {len(views)}")
-            with torch.no_grad():
-                for name, t in tensors:
-                    views[name].copy_(t.reshape(views[name].shape))
+            taken = 0
+            for name, t in items:
+                if name not in views:
+                    raise TrainingError(f"rollout workers: weight {name} is not in the layout of the first push")
+                views[name].copy_(t.reshape(views[name].shape))
+                taken += 1
+            if taken != len(views):
+                raise TrainingError(f"rollout workers: {taken} weights to push, the layout holds {len(views)}")
             self.buffered = version
             for w in list(self.workers):
                 try:

@@ -24,6 +24,7 @@ from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import load, stop_token_ids
+from posttrain.rollout.shared import Lanes, SharedPool
 from posttrain.rollout.workers import WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
 from posttrain.sources import SOURCES, Deps
@@ -89,10 +90,18 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
         seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * plugin.samples_per_prompt(a), cfg.eval.batch_size),
         agree=backend.agree if backend.sharded else None)
     separate = cfg.rollout.placement == "separate"
+    lanes = None
     if separate and backend.world_size > 1:
-        raise ConfigError(f"rollout.placement: separate rollout workers serve one training process for now; this run "
-                          f"has {backend.world_size} (use rollout.placement=colocated)")
-    rollouts = start_workers(cfg, setup, dtype) if separate else rollout.get(cfg.rollout.engine).start(setup)
+        lanes = share_workers(cfg, backend, judge)
+    if not separate:
+        rollouts = rollout.get(cfg.rollout.engine).start(setup)
+    elif lanes is None:
+        rollouts = start_workers(cfg, setup, dtype)
+    else:  # the first process holds the workers; every process samples through them in collective calls
+        pool = start_workers(cfg, setup, dtype) if backend.rank == 0 else None
+        backend.barrier()  # the others wait while the first starts them
+        rollouts = SharedPool(pool, lanes, shared_rng=shared_rng(cfg.rollout), name=cfg.rollout.engine,
+                              takes_adapter=takes_adapter(cfg))
 
     source_cls = SOURCES.find(plugin.source)
     if source_cls.on_policy and plugin.epochs(a) * plugin.minibatches(a) > 1:
@@ -112,9 +121,10 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
             micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a, samples_per_prompt=n, rollout=rollouts,
             sampling=r, judge=judge,
             score_reference=(lambda b: engine.reference_logp(b.to(backend.device))) if engine.has_reference else None,
-            model_path=model_path, cache_dir=cache_root(cfg), agree=backend.agree, rewards=cfg.rewards,
-            needs=frozenset(needs), pass_rates=controllers.pass_rates, temperature=controllers.temperature,
-            elite=controllers.elite, reduce=lambda x, op: backend.reduce(x.to(backend.device), op),
+            model_path=model_path, cache_dir=cache_root(cfg), agree=lanes.agree if lanes else backend.agree,
+            rewards=cfg.rewards, needs=frozenset(needs), pass_rates=controllers.pass_rates,
+            temperature=controllers.temperature, elite=controllers.elite,
+            reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None))
     engine.source = source
@@ -136,14 +146,36 @@ def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerPoo
     the trainer keeping the rest (`worker_cores`)."""
     r = cfg.rollout
     threads, cpus = worker_cores(r)
-    takes_adapter = cfg.model.lora.r and rollout.get(r.engine).colocated  # hf: the same adapted model
     spec = WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
-                      lora=cfg.model.lora if takes_adapter else None, sampling=r, pad_id=setup.pad_id,
+                      lora=cfg.model.lora if takes_adapter(cfg) else None, sampling=r, pad_id=setup.pad_id,
                       stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs, threads=threads,
                       timeout_s=r.worker_timeout_s,
                       attention=trainer_attention(setup.policy) if r.max_staleness == 0 else None)
-    return WorkerPool(spec, r.workers, cpus=cpus, shared_rng=r.max_staleness == 0 and r.workers == 1,
-                      max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+    return WorkerPool(spec, r.workers, cpus=cpus, shared_rng=shared_rng(r), max_restarts=r.max_worker_restarts,
+                      bucket_mb=r.weight_bucket_mb)
+
+
+def takes_adapter(cfg: RunConfig) -> bool:
+    """Under LoRA, hf workers hold the same adapted model and take the adapter alone."""
+    return bool(cfg.model.lora.r) and rollout.get(cfg.rollout.engine).colocated
+
+
+def shared_rng(r) -> bool:
+    """Whether the workers sample from the training processes' own generators: one worker at max_staleness 0, the
+    synchronous algorithm, which then samples the tokens the colocated engine would."""
+    return r.max_staleness == 0 and r.workers == 1
+
+
+def share_workers(cfg: RunConfig, backend: Backend, judge) -> Lanes:
+    """The groups over which several training processes share the workers (posttrain.rollout.shared). Refused where
+    the producer thread would run a sharded model's forward beside the trainer's collectives: a reward model or
+    process reward model under fsdp2 or zero3."""
+    if backend.sharded and (judge.reward_model is not None or judge.process_model is not None):
+        key = "reward_model.path" if judge.reward_model is not None else "reward_model.process_path"
+        raise ConfigError(f"{key}: a reward model is sharded under train.backend={cfg.train.backend}, and its forward "
+                          "would run beside the update; with rollout.placement=separate on several processes, "
+                          "use train.backend=ddp or zero2")
+    return Lanes(cfg.rollout.worker_timeout_s)
 
 
 def trainer_attention(policy) -> str | None:

@@ -6,9 +6,11 @@ scores and updates. It makes batch j (the batch step j trains on) once the train
 `rollout.max_staleness`: then the weights the workers hold are at least version j − 1 − k, the bound the trainer
 checks on every fresh row. At k = 0 it makes each batch when the trainer asks for it: the synchronous algorithm.
 
-A checkpoint takes its snapshot between two batches (`paused`): the controllers as the producer left them, and the
-batches made but not yet trained on, which a resumed run trains first. No prompt is in flight at that moment, so a
-run killed at any point and resumed trains on every drawn prompt exactly once.
+A checkpoint takes its snapshot between two batches (`paused`), once the producer has made every batch it may make
+so far: the controllers as the producer left them, and the batches made but not yet trained on, which a resumed run
+trains first. No prompt is in flight at that moment, so a run killed at any point and resumed trains on every drawn
+prompt exactly once; and every training process's snapshot holds the same batches, which processes that share the
+workers need (their calls pair up in order).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from posttrain.core.batch import Batch
+from posttrain.rollout.shared import PRODUCER_THREAD
 
 
 class Producer:
@@ -46,7 +49,7 @@ class Producer:
         """Step `step`'s batch, with its metrics and how long the trainer waited for it (`time/wait_batch`)."""
         if self.thread is None:
             self.made = max(self.made, step - 1)
-            self.thread = threading.Thread(target=self._run, daemon=True, name="posttrain-producer")
+            self.thread = threading.Thread(target=self._run, daemon=True, name=PRODUCER_THREAD)
             self.thread.start()
         t0 = time.perf_counter()
         with self.cond:
@@ -64,8 +67,7 @@ class Producer:
         try:
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: self.stopping or (
-                        self.made < self.steps and self.requested >= self.made + 1 - self.k))
+                    self.cond.wait_for(lambda: self.stopping or self.made < self.bound())
                     if self.stopping:
                         return
                 with self.lock:
@@ -85,13 +87,23 @@ class Producer:
                 self.error = err
                 self.cond.notify_all()
 
+    def bound(self) -> int:
+        """The newest batch it may make now: k past the one the trainer asked for last, at most the last step's."""
+        return min(self.steps, self.requested + self.k)
+
     def clock(self) -> float:
         """Seconds since the producer was made: the clock of the timeline stamps (docs/async.md)."""
         return time.perf_counter() - self.zero
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[dict]:
-        """Holds the producer between two batches; yields what a checkpoint keeps of it."""
+        """Holds the producer between two batches, once it has made every batch it may (`bound`); yields what a
+        checkpoint keeps of it."""
+        if self.thread is not None:
+            with self.cond:
+                self.cond.wait_for(lambda: self.made >= self.bound() or self.error is not None)
+                if self.error is not None:
+                    raise self.error
         with self.lock:
             yield {"ready": list(self.ready), "made": self.made, "pool": self.pool.state_dict()}
 
