@@ -253,3 +253,17 @@ def test_sharded_state_resumes_bit_exactly_on_two_ranks(tiny_model_dir, tmp_path
     assert summary["world_size"] == 2 and summary["backend"] == backend and summary["resumed_from"]["step"] == 2
     assert (tmp_path / "killed" / "model" / "model.safetensors").read_bytes() == \
         (tmp_path / "whole" / "model" / "model.safetensors").read_bytes()
+
+
+def test_two_ranks_warm_the_embedded_model_up_once(tmp_path):
+    """README's `torchrun … run recipe=grpo_math` with nothing cached: the process that takes the lock warms the
+    embedded model up in a process of its own (not one more training process, which the launcher's variables would
+    make it, waiting forever for the other), the other waits for it or finds it cached, and both train from it."""
+    out = tmp_path / "run"
+    proc = torchrun("-m", "posttrain", "run", "recipe=grpo_math", f"output_dir={out}", "warmup.steps=4",
+                    f"warmup.cache_dir={tmp_path / 'cache'}", "train.steps=1", "eval.num_problems=0",
+                    "data.train_size=40", "data.test_size=4", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("warming up the embedded tiny model") == 1  # one process warmed up, the other waited
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["warmup"]["path"].startswith(str(tmp_path / "cache"))

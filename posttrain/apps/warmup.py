@@ -24,7 +24,8 @@ from pathlib import Path
 from posttrain.algorithms.sft import SFTConfig
 from posttrain.config import run_device
 from posttrain.core import precision
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, TrainingError, UserError
+from posttrain.core.launch import forget_launcher, launched
 from posttrain.models.embedded import build_model_dir
 from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.train import run
@@ -86,8 +87,35 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
-            run(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
+            args = (warmup_config(cfg, init, out), {"warmup": key_fields}, quiet)
+            if launched():  # one of several training processes: the warm-up is one process's run, in a process
+                alone(*args)  # that does not join the others (they wait on the lock meanwhile)
+            else:
+                run(*args[:2], quiet=quiet)
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}
+
+
+def alone(cfg: RunConfig, resolved: dict, quiet: bool) -> None:
+    """`run` in a process of its own that has forgotten the launcher's variables: a training process started by
+    torchrun warms the model up without the other processes, which would otherwise be waited for."""
+    import multiprocessing
+
+    process = multiprocessing.get_context("spawn").Process(target=_run_alone, args=(cfg, resolved, quiet),
+                                                           name="posttrain-warmup")
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise TrainingError(f"the warm-up of the embedded model failed (exit code {process.exitcode}; the line "
+                            "above says why)")
+
+
+def _run_alone(cfg: RunConfig, resolved: dict, quiet: bool) -> None:
+    forget_launcher()
+    try:
+        run(cfg, resolved, quiet=quiet)
+    except UserError as err:  # one line, as the command itself prints it
+        print(f"posttrain: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def clean_stale(root: Path) -> list[Path]:

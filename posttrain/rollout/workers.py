@@ -46,6 +46,7 @@ import torch.distributed as dist
 from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
+from posttrain.core.launch import forget_launcher
 from posttrain.core.precision import MIXED
 from posttrain.rollout.base import RolloutEngine, Setup, counts, get
 
@@ -53,8 +54,6 @@ POLL_S = 1.0  # how often a waiting side looks whether the other is still alive
 START_S = 300.0  # the least time a worker is given to start (import torch, load the model, start its engine)
 FAULT = "POSTTRAIN_WORKER_FAULT"  # fault injection for the tests: die:N, hang:N (the N-th sampling request) or
 # hang_weights:N (the N-th weight push), in a worker's first incarnation only
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
 @dataclass(frozen=True)
@@ -172,8 +171,7 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
           replies) -> None:
     """A worker process's main: connect, build the engine, then answer sampling requests until told to stop."""
     parent = os.getppid()
-    for key in LAUNCHER_ENV:  # a training process's launcher (torchrun, accelerate) set them for itself alone: an
-        os.environ.pop(key, None)  # engine that reads them (vLLM) would take this worker for a training process
+    forget_launcher()  # an engine that reads torchrun's variables (vLLM) would take this worker for a training process
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
