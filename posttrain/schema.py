@@ -201,6 +201,10 @@ class RolloutConfig(Freezable):
     """Nucleus sampling mass."""
     max_new_tokens: int = 64
     """Token budget per completion; a completion without EOS by then is truncated."""
+    compact_every: int = 16
+    """hf: every this many tokens, the rows that have ended leave the decode loop's batch (their KV cache rows freed,
+    their logits no longer computed); the tokens drawn are the same, and their log-probs too, to float rounding
+    (bench/decode_rows.py measures it); 0: every row stays until the last one ends."""
     tis_cap: float | None = None
     """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
     ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
@@ -317,6 +321,8 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"max_staleness: must be ≥ 0 (got {self.max_staleness})")
         if self.workers < 1:
             raise ConfigError(f"workers: must be ≥ 1 (got {self.workers})")
+        if self.compact_every < 0:
+            raise ConfigError(f"compact_every: must be ≥ 0 (got {self.compact_every})")
         if self.worker_threads < 0:
             raise ConfigError(f"worker_threads: must be ≥ 0 (got {self.worker_threads})")
         if self.worker_timeout_s <= 0:

@@ -146,3 +146,36 @@ def test_reported_logprobs_are_the_trainers_in_fp32(tiny_model_dir):
                                  temperature=0.7)  # [B, R]
     assert batch.rollout_logp.shape == batch.mask.shape and (batch.rollout_logp[batch.mask == 0] == 0).all()
     torch.testing.assert_close(batch.rollout_logp * batch.mask, trainer * batch.mask, atol=1e-4, rtol=0)
+
+
+def test_rows_that_ended_leave_the_batch_and_the_samples_stay_the_same(tiny_model_dir):
+    """rollout.compact_every: every c tokens the rows that have stopped leave the decode loop's batch. Under the same
+    seed the tokens are those of the loop that keeps every row (each step still draws a uniform number for every
+    row), the generator ends in the same state, and the log-probs agree to float rounding (a matrix product's
+    summation order may depend on its row count). The forwards really shrank: the path ran."""
+    model, tok = load(tiny_model_dir)
+    prompts = [tok(f"Q: {i}+{i}\nA: ")["input_ids"] for i in range(6)]
+    sizes = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    stops = [i for i in range(1, model.config.vocab_size, 6) if i != tok.pad_token_id]  # 1 in 6 ends a row
+    runs = {}
+    for c in (0, 1, 3):
+        engine = HFEngine(model, pad_id=tok.pad_token_id, stop_ids=stops, compact_every=c)
+        for greedy in (False, True):
+            torch.manual_seed(0)
+            sizes.clear()
+            # lengths from 1 to the 40-token budget
+            batch = engine.generate(prompts, 8, max_new_tokens=40, greedy=greedy)
+            runs[c, greedy] = batch, torch.rand(1), list(sizes)
+    for greedy in (False, True):
+        want, after, forwards = runs[0, greedy]
+        assert set(forwards) == {48}  # every row to the end
+        for c in (1, 3):
+            got, got_after, got_forwards = runs[c, greedy]
+            assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.mask, want.mask)
+            assert torch.equal(got.truncated, want.truncated) and torch.equal(got_after, after)
+            torch.testing.assert_close(got.rollout_logp, want.rollout_logp, rtol=0, atol=1e-5)
+            assert len(got_forwards) == len(forwards) and got_forwards == sorted(got_forwards, reverse=True)
+            if not greedy:  # sampled lengths run from 1 to the budget: fewer rows, as many tokens
+                assert want.mask.sum(1).min() < 5 and want.mask.sum(1).max() > 20 and min(got_forwards) < 10
