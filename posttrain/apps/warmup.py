@@ -87,15 +87,13 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
-            args = (warmup_config(cfg, init, out), {"warmup": key_fields}, quiet)
-            if launched():  # one of several training processes: the warm-up is one process's run, in a process
-                alone(*args)  # that does not join the others (they wait on the lock meanwhile)
-            else:
-                run(*args[:2], quiet=quiet)
+            # one of several training processes (torchrun): the warm-up is one process's run, in a process that
+            # does not join the others (they wait on the lock meanwhile)
+            (alone if launched() else run)(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}
 
 
-def alone(cfg: RunConfig, resolved: dict, quiet: bool) -> None:
+def alone(cfg: RunConfig, resolved: dict, quiet: bool = False) -> None:
     """`run` in a process of its own that has forgotten the launcher's variables: a training process started by
     torchrun warms the model up without the other processes, which would otherwise be waited for."""
     import multiprocessing
