@@ -210,13 +210,13 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
                           position_ids=position, use_cache=True, **last)
     position = position[:, -1:]  # [b, 1], b the rows still in the batch
     rows = torch.arange(B, device=input_ids.device)  # [b]: which of the B rows they are
-    draw = not sampling.get("greedy") and compact_every > 0  # every row's uniform drawn here, as next_token would
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)  # [B, R]
     logps = torch.zeros(B, max_new_tokens, device=input_ids.device)  # [B, R]
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)  # [b]
     R = max_new_tokens
     for t in range(max_new_tokens):
-        uniform = torch.rand(B, 1, dtype=torch.float64, device=input_ids.device)[rows] if draw else None
+        # one uniform number for every row of the whole batch, each running row taking its own (none when greedy)
+        uniform = None if sampling.get("greedy") else torch.rand(B, 1, dtype=torch.float64, device=input_ids.device)[rows]
         token, logp = next_token(out.logits[:, -1], uniform=uniform, **sampling)  # [b], [b]
         tokens[rows, t] = token.masked_fill_(done, pad_id)
         logps[rows, t] = logp.masked_fill_(done, 0.0)

@@ -46,8 +46,7 @@ class Lanes:
         """`op` ("sum", "mean", "max" or "min") over every process, on the calling thread's group (the stages'
         reductions run in the producer thread, beside the trainer's own collectives)."""
         out = tensor.detach().to("cpu", copy=True)
-        dist.all_reduce(out, {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                              "min": dist.ReduceOp.MIN}[op], group=self.group())
+        dist.all_reduce(out, getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()), group=self.group())
         return (out / self.world if op == "mean" else out).to(tensor.device)
 
     def agree(self, flag: bool) -> bool:
