@@ -214,11 +214,11 @@ def test_bad_settings_are_one_line_errors(tmp_path, args, fragment):
 
 
 # -- several training processes sharing the workers (torchrun, 2 processes over gloo) --------------------------------
-def two_ranks(model, out, backend, *extra, env=None):
+def two_ranks(model, out, backend, *extra, env=None, timeout=300):
     from test_distributed import torchrun
 
     return torchrun("-m", "posttrain", "run", *RUN, f"model.path={model}", f"output_dir={out}",
-                    f"train.backend={backend}", "eval.num_problems=5", *extra, env=env)
+                    f"train.backend={backend}", "eval.num_problems=5", *extra, env=env, timeout=timeout)
 
 
 def assert_shared(out, backend):
@@ -330,3 +330,17 @@ def test_a_sharded_reward_model_beside_shared_workers_is_refused_in_one_line(tin
     frames = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("File ")]
     assert all("<frozen" in f or "/torch/" in f for f in frames)  # torchrun's own report of the exit status 2
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_two_processes_agree_in_the_producer_thread(warm_model_dir, tmp_path):
+    """Dynamic sampling's rounds and the adaptive temperature's reduction run in the producer thread, over its own
+    group: every process draws the same number of rounds (their sampling calls must pair up) and sets the same
+    temperature, with no collective of the update's in between."""
+    out = tmp_path / "out"
+    proc = two_ranks(warm_model_dir, out, "ddp", *SEPARATE, "rollout.max_staleness=1", "rollout.dynamic_sampling=true",
+                     "rollout.adaptive_temperature=true", "train.steps=3", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_shared(out, "ddp")
+    steps = metrics(out)
+    assert len(steps) == 3 and all("sampling_rounds" in m and "temperature" in m for m in steps)
+    assert len({m["temperature"] for m in steps}) > 1  # it moved, agreed on both processes
