@@ -348,7 +348,19 @@ class TrainConfig(Freezable):
     batch_size: int = 16
     """Prompts (online methods) or rows (offline methods) per step, per process."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward; gradients are accumulated over the batch."""
+    """Sequences per forward/backward; gradients are accumulated over the batch. Unused when micro_batch_tokens is
+    set."""
+    micro_batch_tokens: int | None = None
+    """Micro-batches by a token budget instead of a row count (it wins over micro_batch_size): rows longest first,
+    each micro-batch filled while it computes at most N tokens (real tokens when packing; rows × its longest row
+    when padded), a unit longer than N alone (DPO's pair stays whole). Applies to the update, the critic and the
+    scoring passes (reference, old log-probs, values). Processes may then run different numbers of micro-batches:
+    they agree on the most and the others run empty ones, so the collectives pair. null: micro_batch_size rows."""
+    packing: bool = False
+    """Run each micro-batch on its sequences packed end to end in rows as wide as its longest (position ids restart
+    per sequence and attention stays inside each), with no compute on padding; the log-probabilities, and so the
+    gradient, are the padded ones. For models whose attention transformers confines (Llama, Mistral, Qwen2, Qwen3,
+    Gemma); others run padded, with a notice."""
     lr: float = 1e-5
     """AdamW learning rate."""
     weight_decay: float = 0.0
@@ -413,6 +425,8 @@ class TrainConfig(Freezable):
         for key in ("steps", "batch_size", "micro_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens: must be ≥ 1 or null (got {self.micro_batch_tokens})")
         if self.lr <= 0:
             raise ConfigError(f"lr: must be > 0 (got {self.lr})")
         for key in ("weight_decay", "warmup_steps", "max_grad_norm", "save_every", "keep_checkpoints",

@@ -125,6 +125,30 @@ def test_scoring_equals_log_softmax_of_each_unpadded_row(family, monkeypatch):
         torch.testing.assert_close(got * b.mask, want, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_sequences_score_as_each_row_alone(family, monkeypatch):
+    """Every family posttrain packs (scoring.PACKED_TYPES) gives the unpadded rows' log-probs from packed rows, in
+    rows of the longest's width and with every sequence in one row (Mistral's sliding window shorter than a prompt
+    included), on the chunked-head path and on the logits path; a family posttrain does not pack is refused."""
+    _, path = family
+    model, tok = load(path)
+    texts = gsm8k_texts()
+    _, _, b = scored_batch(tok, texts[0::2], texts[1::2])
+    assert scoring.packs(model) == (model.config.model_type in scoring.PACKED_TYPES)
+    assert scoring.packs(model), "each family here is one posttrain packs"
+    args = b.input_ids, b.attention_mask, b.prompt_len
+    with torch.no_grad():
+        want = token_logprobs(model, *args)  # equal to each row alone: the test above
+        got = {"rows of the longest": token_logprobs(model, *args, packed=True)}
+        monkeypatch.setattr(scoring, "row_width", lambda model, mask: int(mask.sum()))
+        got["one row"] = token_logprobs(model, *args, packed=True)
+        monkeypatch.setattr(scoring, "HEAD_SCORED_TYPES", frozenset())
+        got["one row, from logits"] = token_logprobs(model, *args, packed=True)
+    for name, logp in got.items():
+        torch.testing.assert_close(logp * b.mask, want * b.mask, atol=1e-5, rtol=1e-5, msg=name)
+    model.config.model_type = "gpt2"  # an architecture whose attention posttrain does not confine
+    assert not scoring.packs(model)
+
+
 @pytest.fixture
 def stopping_often():
     """Makes a model stop often: a hook pins feature 0 of the final hidden state to k, and the output head reads

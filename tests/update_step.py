@@ -3,7 +3,11 @@ tests/test_distributed.py in one process and under `torchrun --nproc_per_node 2`
 world size, the loss, the whole gradient (summed over processes, before the optimizer step), the whole weights after
 the step, the bytes this process holds by role, and where it saved the model.
 
-    python tests/update_step.py MODEL_DIR OUT.pt [BACKEND] [KEY=VALUE ...]
+    python tests/update_step.py MODEL_DIR OUT.pt [BACKEND] [KEY=VALUE ...] [uneven]
+
+With `uneven`, the first process takes rows 0-5 and the second rows 6-7, so that under a token budget
+(train.micro_batch_tokens) they run different numbers of micro-batches; rank 0 also saves the fewest and most each
+ran, and how many every process ran with the empty ones that pair their collectives.
 """
 
 import sys
@@ -44,6 +48,8 @@ def offloaded(backend, trained) -> str:
 
 
 def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -> None:
+    uneven = "uneven" in overrides
+    overrides = tuple(o for o in overrides if o != "uneven")
     cfg, _ = config.load("sft_math", [f"model.path={model_dir}", "train.micro_batch_size=3", "train.lr=1e-2",
                                       "data.train_size=50", "data.test_size=5", "train.precision=fp32",
                                       f"train.backend={backend_name}", *overrides])
@@ -55,6 +61,12 @@ def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -
     batch = collate(prompt_ids(engine.tokenizer, rows, cfg.data), response_ids(engine.tokenizer, rows, cfg.data),
                     engine.tokenizer.pad_token_id)
     local = batch.select(slice(backend.rank, None, backend.world_size)).to(backend.device)
+    if uneven and backend.world_size == 2:
+        local = batch.select(slice(0, 6) if backend.rank == 0 else slice(6, 8)).to(backend.device)
+    micro = engine.micro_batches(local)
+    real = torch.tensor(float(sum(rows is not None for rows, _ in micro)), device=backend.device)
+    counts = {"fewest": float(backend.reduce(real, "min")), "most": float(backend.reduce(real, "max")),
+              "run": len(micro), "packed": engine.packed}
     totals = engine.totals(local)
     assert totals == Totals.of(batch.mask), (totals, Totals.of(batch.mask))  # the whole step's denominators
     loss = backend.reduce(engine.accumulate(local, totals)["loss"], "sum")
@@ -74,7 +86,8 @@ def main(model_dir: str, out: str, backend_name: str = "ddp", *overrides: str) -
                     "offload": offloaded(backend, engine.policy),
                     "loss": float(loss), "norm": float(norm),
                     "grads": grads, "weights": weights, "roles": roles, "head": type(model.lm_head).__name__,
-                    "max": top, "saved": str(saved), "dtype": str(next(iter(weights.values())).dtype)}, out)
+                    "max": top, "saved": str(saved), "dtype": str(next(iter(weights.values())).dtype),
+                    "micro": counts}, out)
     backend.barrier()
 
 

@@ -16,6 +16,8 @@ step):
    (`Engine.minibatches`).
 3. Each minibatch runs in micro-batches of `train.micro_batch_size` rows rounded down to whole units (at least one),
    the last one smaller (`Engine.micro_batches`); the scoring passes before the update split the whole batch alike.
+   `train.micro_batch_tokens`, when set, wins: micro-batches of at most that many tokens, counted here with every row
+   at its bounds (rule 5), so that the plan shows the most micro-batches a step can take; shorter rows take fewer.
 4. Models: the policy; a reference iff the plugin needs "ref_logp" (with LoRA and no `model.ref_path`, the policy
    with its adapter off); a critic iff "values"; a reward model iff "reward" and `reward_model.path`; a process
    reward model iff "step_reward" and `rewards.process=model`. The engine also scores old log-probs ("old_logp")
@@ -109,7 +111,10 @@ class Plan:
     rows: int  # sequences trained on per step
     sampled_rows: tuple[int, int]  # sequences sampled per step: least and most (dynamic sampling may take rounds)
     sampled_once: int  # sequences sampled from the starting model once, before step 1 (at most)
-    micro_batch_size: int  # rows per micro-batch: train.micro_batch_size rounded down to whole units
+    micro_batch_size: int  # rows per micro-batch: train.micro_batch_size rounded down to whole units, or the rows a
+    # token budget holds at the bounds
+    micro_batch_tokens: int | None  # train.micro_batch_tokens (None: micro-batches by rows)
+    packed: bool  # train.packing: sequences packed end to end in each micro-batch
     epochs: int  # μ: passes over each batch
     minibatch_rows: list[int]  # rows of each minibatch of a pass: one optimizer step each
     micro_batch_rows: list[list[int]]  # rows of each micro-batch, per minibatch
@@ -158,19 +163,23 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
     n = plugin.samples_per_prompt(a) if source.on_policy else 1
     rows = t.batch_size * n * unit
     micro = max(unit, t.micro_batch_size // unit * unit)
+    from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
+    longest = d.max_prompt_len + (d.max_response_len if from_file else r.max_new_tokens)  # a row at its bounds
+    if t.micro_batch_tokens is not None:
+        micro = max(unit, t.micro_batch_tokens // longest // unit * unit)
     epochs, parts = plugin.epochs(a), plugin.minibatches(a)
     minibatch_rows = chunks(rows, -(-rows // unit // parts) * unit)
     updates_per_step = epochs * len(minibatch_rows)
     needs = plugin.needs(a) | ({"old_logp"} if source.on_policy and epochs * parts > 1 else set())
     rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
     sampled = (rows, rows * rounds) if source.on_policy else (0, 0)
-    from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
     once = 0 if source.on_policy or from_file or not hasattr(a, "num_prompts") else a.num_prompts * a.samples_per_prompt
     budget = "data.max_response_len" if from_file else "rollout.max_new_tokens"
     plan = Plan(
         recipe=recipe, method=plugin.name, source=plugin.source, on_policy=source.on_policy, world_size=world,
         steps=t.steps, batch_size=t.batch_size, batch_unit=SOURCES.get(plugin.source, ("rows",))[0],
         samples_per_prompt=n, rows=rows, sampled_rows=sampled, sampled_once=once, micro_batch_size=micro,
+        micro_batch_tokens=t.micro_batch_tokens, packed=t.packing,
         epochs=epochs, minibatch_rows=minibatch_rows, micro_batch_rows=[chunks(m, micro) for m in minibatch_rows],
         updates_per_step=updates_per_step, updates=t.steps * updates_per_step,
         scheduled_updates=t.steps * epochs * parts, prompt_tokens=rows * d.max_prompt_len,
@@ -411,6 +420,8 @@ def _pieces(sizes: list[int], word: str) -> str:
         return f"{many}{sizes[0]} rows"
     if len(set(sizes)) == 1:
         return f"{many}{sizes[0]} rows each"
+    if len(sizes) > 3 and len(set(sizes[:-1])) == 1:  # [3] * 85 + [1] -> "86 micro-batches: 85 of 3 rows, 1 of 1"
+        return f"{_n(len(sizes), word)}: {len(sizes) - 1} of {sizes[0]} rows, 1 of {sizes[-1]}"
     return f"{many}{', '.join(map(str, sizes[:-1]))} and {sizes[-1]} rows"
 
 
@@ -459,9 +470,17 @@ def render(plan: Plan) -> str:
     lines += _wrap(f"{_n(p.epochs, 'epoch')} (μ) × {_pieces(p.minibatch_rows, 'minibatch')} = "
                    f"{_n(p.updates_per_step, 'optimizer step')} per batch; {_n(p.steps, 'step')} = "
                    f"{_n(p.updates, 'optimizer step')} in the run.")
-    lines += _wrap(f"Micro-batches of at most {p.micro_batch_size} rows (train.micro_batch_size, in whole units of "
-                   f"the method): each minibatch runs as {' or '.join(splits)}, gradients adding up until its "
-                   f"optimizer step; {_n(p.micro_batches_per_step, 'forward/backward pass')} per step.")
+    packing = ", packed end to end (train.packing)" if p.packed else ""
+    if p.micro_batch_tokens is None:
+        lines += _wrap(f"Micro-batches of at most {p.micro_batch_size} rows (train.micro_batch_size, in whole units "
+                       f"of the method{packing}): each minibatch runs as {' or '.join(splits)}, gradients adding up "
+                       f"until its optimizer step; {_n(p.micro_batches_per_step, 'forward/backward pass')} per step.")
+    else:
+        lines += _wrap(f"Micro-batches of at most {p.micro_batch_tokens:,} tokens (train.micro_batch_tokens, which "
+                       f"wins over train.micro_batch_size; {'real tokens' if p.packed else 'rows × the longest row'}"
+                       f"{packing}): with every row at its bounds each minibatch runs as {' or '.join(splits)}, "
+                       f"gradients adding up until its optimizer step; at most "
+                       f"{_n(p.micro_batches_per_step, 'forward/backward pass')} per step, fewer for shorter rows.")
     if p.scored:
         names = {"ref_logp": "reference log-probs", "old_logp": "old log-probs (the policy as it sampled)",
                  "values": "values (the critic)"}

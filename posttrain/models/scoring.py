@@ -22,6 +22,7 @@ are scored from their logits instead, still reduced in checkpointed chunks of se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -33,6 +34,82 @@ from posttrain.models.lora import hf_model
 # Model types whose causal-LM forward computes logits as exactly `lm_head(hidden[:, -logits_to_keep:])`, nothing
 # after it; `tests/test_scoring.py` checks each, in value and gradient, against the naive log_softmax.
 HEAD_SCORED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "phi3", "olmo2"})
+
+
+# Model types whose attention transformers keeps inside each sequence of a packed row, told only by position ids that
+# restart at 0 and no attention mask (its packed-sequence masks for eager, SDPA and flex attention; the varlen kernels
+# for flash attention). tests/test_model_families.py checks each family's packed forward against its padded one.
+PACKED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"})
+CONFINED_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"})
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether `model` (possibly wrapped) scores packed rows with attention confined to each sequence."""
+    config = getattr(hf_model(model), "config", None)
+    return (getattr(config, "model_type", None) in PACKED_TYPES
+            and getattr(config, "_attn_implementation", None) in CONFINED_ATTENTION)
+
+
+@dataclasses.dataclass
+class Packed:
+    """The sequences of a padded batch laid end to end in n rows of width W, no padding between them.
+
+    Each sequence's position ids start again at 0, which is how the model finds where one ends (PACKED_TYPES).
+    `keep` marks the positions that predict a response token, and `where` says which: the flat index into the padded
+    batch's [B, R] response region of each kept position's target, in `keep`'s (row-major) order.
+    """
+
+    input_ids: torch.Tensor  # [n, W]
+    position_ids: torch.Tensor  # [n, W]
+    keep: torch.Tensor  # [n, W] bool
+    where: torch.Tensor  # [N] long
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, width: int | None = None) -> Packed:
+    """The real tokens of each row of a padded batch ([B, T]: prompt left-padded to P, response right-padded), placed
+    first-fit, longest first, into rows `width` wide (None: as wide as the longest sequence). A row's tail after its
+    last sequence holds token 0 at positions 0, 1, …: a sequence of its own that nothing attends to and nothing
+    reads."""
+    B, T = input_ids.shape
+    R = T - prompt_len
+    lengths = attention_mask.sum(-1).tolist()  # [B] prompt + response tokens
+    responses = attention_mask[:, prompt_len:].sum(-1).tolist()  # [B]
+    width = max(width or 0, *lengths)
+    free: list[int] = []  # room left in each packed row
+    placed = []  # (row, offset) of each sequence
+    for i in sorted(range(B), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), len(free))
+        if row == len(free):
+            free.append(width)
+        placed.append((i, row, width - free[row]))
+        free[row] -= lengths[i]
+    n = len(free)
+    ids = torch.zeros(n, width, dtype=input_ids.dtype, device=input_ids.device)  # [n, W]
+    pos = torch.arange(width, device=input_ids.device).repeat(n, 1)  # [n, W] the tails count from their own start
+    where = torch.full((n, width), -1, dtype=torch.long, device=input_ids.device)  # [n, W]
+    for i, row, at in placed:
+        L, r = lengths[i], responses[i]
+        ids[row, at : at + L] = input_ids[i][attention_mask[i].bool()]
+        pos[row, at : at + L] = torch.arange(L, device=input_ids.device)
+        # the response starts at offset L - r; position L - r - 1 + t predicts its token t
+        where[row, at + L - r - 1 : at + L - 1] = i * R + torch.arange(r, device=input_ids.device)
+    for row, room in enumerate(free):
+        pos[row, width - room :] = torch.arange(room, device=input_ids.device)
+    keep = where >= 0  # [n, W]
+    return Packed(ids, pos, keep, where[keep])
+
+
+def row_width(model: torch.nn.Module, attention_mask: torch.Tensor) -> int | None:
+    """How wide `pack` makes the rows for `model`: every token in one row under flash attention, whose varlen kernel
+    computes only within each sequence; else (eager, SDPA, flex: a mask over the whole row, computed at W² per row)
+    as wide as the longest sequence, which keeps W and so the masked-out work small."""
+    attention = getattr(getattr(hf_model(model), "config", None), "_attn_implementation", None) or ""
+    return int(attention_mask.sum()) if attention.startswith("flash") else None
+
+
+def unpack(values: torch.Tensor, packed: Packed, shape: tuple[int, int]) -> torch.Tensor:
+    """[N] values of the kept positions -> [B, R], zeros elsewhere (differentiable in `values`)."""
+    return values.new_zeros(shape[0] * shape[1]).index_copy(0, packed.where, values).view(shape)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -162,6 +239,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_rows: int | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Log-probabilities of the response tokens `input_ids[:, prompt_len:]` under `model`.
 
@@ -174,6 +252,8 @@ def token_logprobs(
         chunk_rows: about this many token positions (rows of V logits) are reduced at a time; None: as many as
             fit `CHUNK_LOGITS` logits, at most `CHUNK_ROWS` (256 positions at V = 32k, 55 at V = 152k, 1024 at
             V ≤ 8192).
+        packed: run the model on the sequences packed end to end (`pack`; only for a model that `packs`), not on
+            the padded rows; the log-probabilities are the same, without the padding's compute.
 
     Returns:
         [B, R] float32 log-probabilities; what padding positions hold depends on the path, so mask them.
@@ -181,11 +261,13 @@ def token_logprobs(
     B, T = input_ids.shape
     R = T - prompt_len
     inner = hf_model(model)  # the transformers model inside DDP's .module and peft's wrapper
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                  use_cache=False)
     head = scoring_head(inner)
     vocab = head.out_features if head is not None else getattr(getattr(inner, "config", None), "vocab_size", 32_000)
     chunk_rows = chunk_rows or max(1, min(CHUNK_ROWS, CHUNK_LOGITS // vocab))
+    if packed:
+        return _packed_logprobs(model, head, input_ids, attention_mask, prompt_len, temperature, chunk_rows)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                  use_cache=False)
     if head is None:
         return _from_logits(model, inner, kwargs, prompt_len, temperature, chunk_rows)
     keep = attention_mask[:, prompt_len:].bool()  # [B, R]: position P - 1 + t predicts response token t
@@ -194,6 +276,24 @@ def token_logprobs(
     with head.scoring(torch.nn.functional.pad(keep, (0, 1)), targets, temperature, chunk_rows):
         flat = model(**kwargs, logits_to_keep=R + 1).logits  # [N]
     return torch.zeros(B, R, dtype=flat.dtype, device=flat.device).masked_scatter(keep, flat)  # [B, R]
+
+
+def _packed_logprobs(model, head, input_ids, attention_mask, prompt_len: int, temperature: float,
+                     chunk_rows: int) -> torch.Tensor:
+    """`token_logprobs` of the padded batch, computed on its sequences packed (`pack`): [B, T] -> [B, R]."""
+    p = pack(input_ids, attention_mask, prompt_len, row_width(model, attention_mask))
+    targets = input_ids[:, prompt_len:].flatten()[p.where]  # [N]
+    kwargs = dict(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False)
+    if head is not None:
+        with head.scoring(p.keep, targets, temperature, chunk_rows):
+            flat = model(**kwargs, logits_to_keep=0).logits  # [N] (0 keeps every position)
+    else:  # from the logits, a chunk of kept positions at a time
+        logits = model(**kwargs).logits[p.keep]  # [N, V]
+        parts = [(logits[s : s + chunk_rows], targets[s : s + chunk_rows]) for s in range(0, len(targets), chunk_rows)]
+        flat = torch.cat([checkpoint(_token_logp, c, t, temperature, use_reentrant=False)
+                          if torch.is_grad_enabled() and c.requires_grad else _token_logp(c, t, temperature)
+                          for c, t in parts])  # [N]
+    return unpack(flat, p, (input_ids.shape[0], input_ids.shape[1] - prompt_len))  # [B, R]
 
 
 def _from_logits(model, inner, kwargs: dict, prompt_len: int, temperature: float, chunk_rows: int) -> torch.Tensor:
@@ -228,10 +328,17 @@ def naive_token_logprobs(
     return logp.gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1)  # [B, R]
 
 
-def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int) -> torch.Tensor:
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
+                 packed: bool = False) -> torch.Tensor:
     """V of the state before each response token, at the positions whose log-probs are scored: [B, T] -> [B, R].
 
-    The critic is a token-classification model with one output (`posttrain.models.loading`, kind "critic").
+    The critic is a token-classification model with one output (`posttrain.models.loading`, kind "critic"); `packed`
+    as in `token_logprobs`.
     """
+    if packed:
+        p = pack(input_ids, attention_mask, prompt_len, row_width(critic, attention_mask))
+        # no cache: with one, transformers would not look for packed sequences (and attention would span the row)
+        out = critic(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False)
+        return unpack(out.logits[..., 0][p.keep].float(), p, (input_ids.shape[0], input_ids.shape[1] - prompt_len))
     out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
     return out.logits[:, prompt_len - 1 : -1, 0].float()  # [B, R]

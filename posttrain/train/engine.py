@@ -14,6 +14,7 @@ not depend on how the batch is split into micro-batches or over processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from posttrain.core.errors import TrainingError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
 from posttrain.models import lora
-from posttrain.models.scoring import token_logprobs, token_values
+from posttrain.models.scoring import packs, token_logprobs, token_values
 from posttrain.schema import RunConfig
 from posttrain.stages.elite import fresh_mask
 from posttrain.train.evaluation import evaluate
@@ -69,30 +70,49 @@ class Engine:
         self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
+        self.micro_tokens = t.micro_batch_tokens  # None: micro-batches of self.micro rows
+        # train.packing where every model scored confines attention to each packed sequence; else padded (run notes)
+        self.packed = t.packing and packs_all(policy.module, ref, critic and critic.module)
+        config = getattr(lora.hf_model(policy.module), "config", None)
+        self.model_type = f"{getattr(config, 'model_type', '?')} ({getattr(config, '_attn_implementation', '?')})"
         self.algorithm = a  # the plugin's config of the step under way: the validated one, or with a scheduled β
         self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
         self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's)
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         self.elite_sums = torch.zeros(2, device=backend.device)  # this step's Σ elite weight, replayed tokens
 
-    def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
+    def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor | None, Batch]]:
         """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
         each trimmed of the columns that are padding in all its rows; with the rows of `batch` each one holds.
+        Micro-batches are `self.micro` rows, or under a token budget (`token_budget`) as many units as it fits; then,
+        on several processes, every process runs as many as the one with most, the others padded with empty
+        micro-batches (rows None: one row of `batch` whose mask is all zeros), so that sharded backends' gathers and
+        reductions pair up.
 
         The loss is normalised by the whole step's counts, so neither the order nor the split changes the update.
         """
         unit = self.plugin.unit
-        length = batch.lengths().view(-1, unit).max(-1).values  # [B / unit] longest row of each unit
-        order = torch.argsort(length, descending=True, stable=True)  # [B / unit]
+        lengths = batch.lengths().view(-1, unit)  # [B / unit, unit]
+        order = torch.argsort(lengths.max(-1).values, descending=True, stable=True)  # [B / unit]
         rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
-        return [(idx, batch.select(idx).trimmed()) for idx in rows.split(self.micro)]
+        if self.micro_tokens is None:
+            return [(idx, batch.select(idx).trimmed()) for idx in rows.split(self.micro)]
+        sizes = token_budget(lengths[order.to(lengths.device)].tolist(), self.micro_tokens, self.packed)
+        micro = [(idx, batch.select(idx).trimmed()) for idx in rows.split([n * unit for n in sizes])]
+        most = int(self.backend.reduce(torch.tensor(float(len(micro)), device=self.backend.device), "max"))
+        if most > len(micro):
+            empty = batch.select(rows[:1]).trimmed()
+            empty = dataclasses.replace(empty, mask=torch.zeros_like(empty.mask))
+            micro += [(None, empty)] * (most - len(micro))
+        return micro
 
     def _per_token(self, batch: Batch, fn) -> torch.Tensor:
         """`fn(micro-batch)` -> [b, R'] for every micro-batch, put back into the rows and columns of `batch`."""
         out = torch.zeros(batch.mask.shape, device=batch.mask.device)  # [B, R]
         for rows, mb in self.micro_batches(batch):
             part = fn(mb)  # [b, R']
-            out[rows, : part.shape[1]] = part
+            if rows is not None:
+                out[rows, : part.shape[1]] = part
         return out
 
     @torch.no_grad()
@@ -100,7 +120,18 @@ class Engine:
         """log π of the response tokens under a model not being trained here (reference, or policy as π_old)."""
         with self.backend.autocast():
             return self._per_token(batch, lambda mb: token_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature))  # [B, R]
+                model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature,
+                packed=self.packed))  # [B, R]
+
+    def scored(self, batch: Batch) -> Batch:
+        """`batch` with what the plugin asked the engine for (reference and old log-probs, the critic's values)."""
+        if self.has_reference:
+            batch.ref_logp = self.reference_logp(batch)
+        if "old_logp" in self.needs:
+            batch.old_logp = self.score(self.policy.module, batch)
+        if self.critic is not None:
+            batch.extra["values"] = self.values(batch)
+        return batch
 
     @property
     def has_reference(self) -> bool:
@@ -118,7 +149,7 @@ class Engine:
         """The critic's values of the response positions at sampling time."""
         with self.backend.autocast():
             return self._per_token(batch, lambda mb: token_values(self.critic.module, mb.input_ids, mb.attention_mask,
-                                                                  mb.prompt_len))  # [B, R]
+                                                                  mb.prompt_len, packed=self.packed))  # [B, R]
 
     def observe_mismatch(self, trainer: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> None:
         """Adds tokens to this step's train-inference mismatch: `self.mismatch` = [Σ k3, tokens, max |Δ log π|]."""
@@ -131,34 +162,49 @@ class Engine:
         """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up). Logs the loss and,
         beside it, the method's `objective` (algorithms/base.py), aggregated the same way and computed without grad."""
         backend, algorithm = self.backend, self.algorithm
-        micro = [mb for _, mb in self.micro_batches(batch)]
+        micro = self.micro_batches(batch)
+        real = sum(rows is not None for rows, _ in micro)  # the rest are empty (see micro_batches)
         trained = [t for t in (self.policy, self.critic) if t is not None]
         loss_sum, metrics = torch.zeros((), device=backend.device), {}
         objective_sum = torch.zeros((), device=backend.device)
-        for i, mb in enumerate(micro):
+        for i, (rows, mb) in enumerate(micro):
             with backend.accumulating(trained, sync=i == len(micro) - 1):  # all-reduced once, after the last
                 with backend.autocast():
                     logp = token_logprobs(self.policy.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
-                                          temperature=mb.temperature)  # [b, R] float32
+                                          temperature=mb.temperature, packed=self.packed)  # [b, R] float32
+                if rows is None:  # an empty micro-batch: the forwards and backwards of the others, with no gradient
+                    self.empty_backward(mb, logp)
+                    continue
                 gc, m = self.coefficient(mb, logp.detach())  # [b, R]
                 loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 backend.backward(loss, self.policy)
                 if self.critic is not None:
                     with backend.autocast():
-                        values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len)
+                        values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                              packed=self.packed)
                     per_token, cm = self.plugin.critic_loss(mb, values, algorithm)  # [b, R]
                     critic_mode, critic_norm = self.plugin.critic_aggregation(algorithm)
                     critic_loss = aggregate(per_token, mb.mask, critic_mode, totals, critic_norm)
                     backend.backward(critic_loss, self.critic)
-                    m = {**m, **cm, "critic_loss": critic_loss * len(micro)}
+                    m = {**m, **cm, "critic_loss": critic_loss * real}
             loss_sum += loss.detach()
             with torch.no_grad():  # logged only: the gradient, and so the weights, are the loss's alone
                 objective = self.plugin.objective(mb, logp.detach(), algorithm)  # [b, R]
                 objective_sum += aggregate(objective, mb.mask, self.mode, totals, self.norm)
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0) + v.detach() / len(micro)
+                metrics[k] = metrics.get(k, 0) + v.detach() / real
         metrics["loss"], metrics["objective"] = loss_sum, objective_sum
         return metrics
+
+    def empty_backward(self, mb: Batch, logp: torch.Tensor) -> None:
+        """The backward of an empty micro-batch: zero times the policy's forward (and the critic's), so that every
+        parameter takes part and a sharded backend's reductions run as on the other processes."""
+        self.backend.backward(logp.sum() * 0.0, self.policy)
+        if self.critic is not None:
+            with self.backend.autocast():
+                values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                                      packed=self.packed)
+            self.backend.backward(values.sum() * 0.0, self.critic)
 
     def coefficient(self, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the importance
@@ -252,12 +298,7 @@ class Engine:
             self.check_staleness(batch)
         self.samples = sample_records(self.tokenizer, batch, self.steps_done) if self.cfg.train.log_samples else []
         with phases.phase("scoring"):
-            if self.has_reference:
-                batch.ref_logp = self.reference_logp(batch)
-            if "old_logp" in self.needs:
-                batch.old_logp = self.score(self.policy.module, batch)
-            if self.critic is not None:
-                batch.extra["values"] = self.values(batch)
+            self.scored(batch)
         self.mismatch = torch.zeros(3, device=backend.device)
         self.elite_sums = torch.zeros(2, device=backend.device)  # Σ weight, Σ tokens over replayed tokens
         if batch.rollout_logp is not None and batch.old_logp is not None:
@@ -363,6 +404,30 @@ class Engine:
                             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                             batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
                             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
+
+
+def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[int]:
+    """How many units (DPO's pairs; single rows otherwise) go into each micro-batch, in order, under a token budget.
+
+    `lengths` holds each unit's rows' real tokens, longest unit first. A micro-batch takes units while it computes at
+    most `budget` tokens: their real tokens when packed, else rows × the longest row (its first unit's, the rows
+    being sorted); a unit over the budget on its own makes a micro-batch of it alone.
+    """
+    sizes, tokens, rows, longest = [], 0, 0, 0
+    for unit in lengths:
+        if sizes:
+            t, r, w = tokens + sum(unit), rows + len(unit), max(longest, *unit)
+            if (t if packed else r * w) <= budget:
+                sizes[-1], tokens, rows, longest = sizes[-1] + 1, t, r, w
+                continue
+        sizes.append(1)
+        tokens, rows, longest = sum(unit), len(unit), max(unit)
+    return sizes
+
+
+def packs_all(*models) -> bool:
+    """Whether every model given (None: absent) scores packed sequences (posttrain.models.scoring.packs)."""
+    return all(m is None or packs(m) for m in models)
 
 
 def sample_records(tokenizer, batch: Batch, step: int) -> list[dict]:

@@ -69,6 +69,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         summary["rollout_engine"] = engine.rollout.name  # the engine that really started
         summary["weight_sync"] = engine.weight_sync  # none (colocated), full, merged (LoRA) or adapter (LoRA workers)
         summary["placement"] = cfg.rollout.placement
+        summary["packed"] = engine.packed  # train.packing as it runs (false where the model cannot confine attention)
         summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
         if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
             summary["adapter_base"] = {"path": str(Path(model_path).resolve()),
@@ -94,6 +95,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                 print(f"posttrain: warning: {warning}", file=sys.stderr)
             if warning := long_prompts(engine.tokenizer, *splits, cfg):  # once, over the data, not in the loop
                 print(f"posttrain: warning: {warning}", file=sys.stderr)
+            if cfg.train.packing and not engine.packed:
+                print(f"posttrain: notice: train.packing: {engine.model_type} attention cannot be kept inside each of "
+                      "several sequences in one row here; micro-batches run padded", file=sys.stderr)
             if not quiet:
                 which = f"resuming from step {start} ({checkpoint}) of the {summary['algorithm']} run" \
                     if checkpoint is not None else f"{summary['algorithm']} run from the start"  # resume=auto says which
