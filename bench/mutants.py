@@ -432,9 +432,11 @@ MUTANTS = [
       "width = max(width or 0, *lengths)", "width = max(width or 0, *lengths) - 1"),
     # posttrain/train/engine.py: token budgets
     m("budget-unit-split", TRAIN, "Engine.micro_batches", "a budget's micro-batches cut through units (DPO pairs)",
-      "rows.split([n * unit for n in sizes])", "rows.split(sizes)"),
-    m("budget-ignored", TRAIN, "token_budget", "units added whatever the budget",
-      "if (t if packed else r * w) <= budget:", "if True:"),
+      "(by_unit[g].flatten() for g in groups)", "(rows[g] for g in groups)"),
+    m("budget-ignored", TRAIN, "token_budget", "padded: units added whatever the budget",
+      "if groups and (rows + len(unit)) * max(longest, *unit) <= budget:", "if groups:"),
+    m("budget-packed-overfull", TRAIN, "token_budget", "packed: a unit goes where it does not fit",
+      "if r >= sum(unit)), len(room))", "if r >= 0), len(room))"),
     # posttrain/models/scoring.py: the logits path, for models the head does not cover
     m("score-no-temperature", SCORE, "_token_logp", "temperature forgotten", "logits = logits / temperature",
       "logits = logits"),

@@ -69,8 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- setup ------------------------------------------------------------------------------------------------------------
-def build_model(path: Path, shape: dict) -> int:
-    """A random Llama of `shape` and the padded character tokenizer, saved to `path`; returns its parameter count."""
+def build_model(path: Path, shape: dict, max_len: int = 512) -> int:
+    """A random Llama of `shape` (positions up to `max_len`) and the padded character tokenizer, saved to `path`;
+    returns its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from posttrain.models.embedded import build_tokenizer
@@ -78,7 +79,7 @@ def build_model(path: Path, shape: dict) -> int:
     tok = build_tokenizer(VOCAB)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, num_key_value_heads=shape["num_attention_heads"], tie_word_embeddings=False,
-                         max_position_embeddings=512, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         max_position_embeddings=max_len, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, **shape)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)

@@ -97,8 +97,9 @@ class Engine:
         rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
         if self.micro_tokens is None:
             return [(idx, batch.select(idx).trimmed()) for idx in rows.split(self.micro)]
-        sizes = token_budget(lengths[order.to(lengths.device)].tolist(), self.micro_tokens, self.packed)
-        micro = [(idx, batch.select(idx).trimmed()) for idx in rows.split([n * unit for n in sizes])]
+        groups = token_budget(lengths[order.to(lengths.device)].tolist(), self.micro_tokens, self.packed)
+        by_unit = rows.view(-1, unit)  # [B / unit, unit] the rows of each unit, longest unit first
+        micro = [(idx, batch.select(idx).trimmed()) for idx in (by_unit[g].flatten() for g in groups)]
         most = int(self.backend.reduce(torch.tensor(float(len(micro)), device=self.backend.device), "max"))
         if most > len(micro):
             empty = batch.select(rows[:1]).trimmed()
@@ -406,23 +407,35 @@ class Engine:
                             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
 
 
-def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[int]:
-    """How many units (DPO's pairs; single rows otherwise) go into each micro-batch, in order, under a token budget.
+def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[list[int]]:
+    """Which units (DPO's pairs; single rows otherwise) go into each micro-batch under a token budget: their indices
+    into `lengths`, which holds each unit's rows' real tokens, longest unit first.
 
-    `lengths` holds each unit's rows' real tokens, longest unit first. A micro-batch takes units while it computes at
-    most `budget` tokens: their real tokens when packed, else rows × the longest row (its first unit's, the rows
-    being sorted); a unit over the budget on its own makes a micro-batch of it alone.
+    Padded, a micro-batch computes rows × its longest row, so it takes units in order (similar lengths together)
+    while that stays within `budget`. Packed, it computes its real tokens, so units go first-fit into micro-batches
+    of `budget` tokens, longest first: short sequences fill the room long ones leave, and each micro-batch holds a
+    mix of lengths that packs into few rows. A unit over the budget makes a micro-batch alone.
     """
-    sizes, tokens, rows, longest = [], 0, 0, 0
-    for unit in lengths:
-        if sizes:
-            t, r, w = tokens + sum(unit), rows + len(unit), max(longest, *unit)
-            if (t if packed else r * w) <= budget:
-                sizes[-1], tokens, rows, longest = sizes[-1] + 1, t, r, w
-                continue
-        sizes.append(1)
-        tokens, rows, longest = sum(unit), len(unit), max(unit)
-    return sizes
+    groups: list[list[int]] = []
+    if packed:
+        room: list[int] = []
+        for i, unit in enumerate(lengths):
+            j = next((j for j, r in enumerate(room) if r >= sum(unit)), len(room))
+            if j == len(room):
+                groups.append([])
+                room.append(budget)
+            groups[j].append(i)
+            room[j] -= sum(unit)
+        return groups
+    rows = longest = 0
+    for i, unit in enumerate(lengths):
+        if groups and (rows + len(unit)) * max(longest, *unit) <= budget:
+            groups[-1].append(i)
+            rows, longest = rows + len(unit), max(longest, *unit)
+        else:
+            groups.append([i])
+            rows, longest = len(unit), max(unit)
+    return groups
 
 
 def packs_all(*models) -> bool:
