@@ -433,10 +433,10 @@ MUTANTS = [
     # posttrain/train/engine.py: token budgets
     m("budget-unit-split", TRAIN, "Engine.micro_batches", "a budget's micro-batches cut through units (DPO pairs)",
       "(by_unit[g].flatten() for g in groups)", "(rows[g] for g in groups)"),
-    m("budget-ignored", TRAIN, "token_budget", "padded: units added whatever the budget",
-      "if groups and (rows + len(unit)) * max(longest, *unit) <= budget:", "if groups:"),
-    m("budget-packed-overfull", TRAIN, "token_budget", "packed: a unit goes where it does not fit",
-      "if r >= sum(unit)), len(room))", "if r >= 0), len(room))"),
+    m("budget-ignored", TRAIN, "token_budget", "units added whatever the budget",
+      "if groups and (t if packed else r * w) <= budget:", "if groups:"),
+    m("budget-padded-as-packed", TRAIN, "token_budget", "padded micro-batches counted by real tokens",
+      "(t if packed else r * w) <= budget", "t <= budget"),
     # posttrain/models/scoring.py: the logits path, for models the head does not cover
     m("score-no-temperature", SCORE, "_token_logp", "temperature forgotten", "logits = logits / temperature",
       "logits = logits"),

@@ -23,11 +23,10 @@ SMALL = ["train.batch_size=4", "rollout.max_new_tokens=12", "data.train_size=64"
 GROUPS = {"grpo_math", "dapo_math", "drgrpo_math", "gspo_math", "grpo_ps_math", "rloo_math", "reinforce_pp_math"}
 
 
-def test_token_budget_fills_micro_batches():
-    """Padded: in order, rows × the longest; packed: first fit of real tokens, longest first; a unit over the budget
-    alone; units kept whole."""
+def test_token_budget_fills_micro_batches_in_order():
+    """Real tokens when packed, rows × the longest when padded; a unit over the budget alone; units kept whole."""
     five = [[9], [7], [5], [3], [1]]
-    assert token_budget(five, 12, packed=True) == [[0, 3], [1, 2], [4]]  # 9+3 | 7+5 | 1
+    assert token_budget(five, 12, packed=True) == [[0], [1, 2], [3, 4]]  # 9 | 7+5 | 3+1
     assert token_budget(five, 12, packed=False) == [[0], [1], [2, 3], [4]]  # 9 | 7 | 2 × 5 | 1 (3 × 5 > 12)
     assert token_budget([[20], [4]], 12, packed=True) == [[0], [1]]  # too long for any budget: alone
     pairs = [[6, 5], [4, 4], [3, 2]]

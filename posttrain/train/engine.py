@@ -411,30 +411,22 @@ def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[li
     """Which units (DPO's pairs; single rows otherwise) go into each micro-batch under a token budget: their indices
     into `lengths`, which holds each unit's rows' real tokens, longest unit first.
 
-    Padded, a micro-batch computes rows × its longest row, so it takes units in order (similar lengths together)
-    while that stays within `budget`. Packed, it computes its real tokens, so units go first-fit into micro-batches
-    of `budget` tokens, longest first: short sequences fill the room long ones leave, and each micro-batch holds a
-    mix of lengths that packs into few rows. A unit over the budget makes a micro-batch alone.
+    Units go in order, so that sequences of similar lengths share a micro-batch, while it computes at most `budget`
+    tokens: its real tokens when packed, else rows × its longest row. A unit over the budget makes a micro-batch
+    alone. (Packed rows are as wide as the micro-batch's longest sequence, and attention over a mask costs the
+    square of a row's width whatever the mask keeps: mixing short sequences into long rows fills them but makes the
+    short ones pay for the long one's width, slower on CPU; bench/README.md has the figures.)
     """
     groups: list[list[int]] = []
-    if packed:
-        room: list[int] = []
-        for i, unit in enumerate(lengths):
-            j = next((j for j, r in enumerate(room) if r >= sum(unit)), len(room))
-            if j == len(room):
-                groups.append([])
-                room.append(budget)
-            groups[j].append(i)
-            room[j] -= sum(unit)
-        return groups
-    rows = longest = 0
+    tokens = rows = longest = 0
     for i, unit in enumerate(lengths):
-        if groups and (rows + len(unit)) * max(longest, *unit) <= budget:
+        t, r, w = tokens + sum(unit), rows + len(unit), max(longest, *unit)
+        if groups and (t if packed else r * w) <= budget:
             groups[-1].append(i)
-            rows, longest = rows + len(unit), max(longest, *unit)
         else:
             groups.append([i])
-            rows, longest = len(unit), max(unit)
+            t, r, w = sum(unit), len(unit), max(unit)
+        tokens, rows, longest = t, r, w
     return groups
 
 
