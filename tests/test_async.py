@@ -325,8 +325,9 @@ def test_a_sharded_reward_model_beside_shared_workers_is_refused_in_one_line(tin
                     "train.steps=1", "eval.num_problems=0", *EASY)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("posttrain: error:")]
-    assert len(errors) == 2 and all("reward_model.path: a reward model is sharded under train.backend=fsdp2" in e
-                                    for e in errors), proc.stderr[-2000:]
+    # each process refuses; torchrun may stop the second before it prints, once the first has exited
+    assert 1 <= len(errors) <= 2 and all("reward_model.path: a reward model is sharded under train.backend=fsdp2"
+                                         in e for e in errors), proc.stderr[-2000:]
     frames = [line for line in proc.stderr.splitlines() if line.lstrip().startswith("File ")]
     assert all("<frozen" in f or "/torch/" in f for f in frames)  # torchrun's own report of the exit status 2
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
