@@ -85,7 +85,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
         free[row] -= lengths[i]
     n = len(free)
     ids = torch.zeros(n, width, dtype=input_ids.dtype, device=input_ids.device)  # [n, W]
-    pos = torch.arange(width, device=input_ids.device).repeat(n, 1)  # [n, W] the tails count from their own start
+    pos = torch.zeros(n, width, dtype=torch.long, device=input_ids.device)  # [n, W] every column set below
     where = torch.full((n, width), -1, dtype=torch.long, device=input_ids.device)  # [n, W]
     for i, row, at in placed:
         L, r = lengths[i], responses[i]
