@@ -65,23 +65,28 @@ def group_advantages(reward: torch.Tensor, group: torch.Tensor, norm: str, eps: 
 def kl_reward(reward, old_logp, ref_logp, mask, beta: float) -> torch.Tensor:
     """Per-token reward of Eq. 2 [B, R]: −β(old_logp − ref_logp) on response tokens, plus `reward` [B] at the last."""
     token_reward = torch.zeros_like(old_logp) if ref_logp is None else -beta * (old_logp - ref_logp) * mask  # [B, R]
-    last = (mask.sum(-1).long() - 1).clamp(min=0)[:, None]  # [B, 1]; the mask is contiguous from column 0
+    R = mask.shape[1]
+    last = (mask * torch.arange(1, R + 1, device=mask.device)).argmax(-1, keepdim=True)  # [B, 1] the last model token
     final = (reward * mask.any(-1)).to(token_reward.dtype)[:, None]  # [B, 1]; empty rows get nothing
     return token_reward.scatter_add(1, last, final)  # [B, R]
 
 
 def gae(token_reward, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (arXiv:1506.02438): one reverse pass over t, vectorised over the batch. r_t `token_reward`, V_t `values`
-    (the state before token t) and `mask` (contiguous from column 0; V after the last token is 0) are [B, R].
+    (the state before token t) and `mask` are [B, R]; V after the last token is 0. The pass runs over the tokens
+    where `mask` is 1 and steps over the others: a multi-turn episode's environment tokens are no action of the
+    model's, so the token before them bootstraps from the model's next token (as if they were not there).
     Returns ([B, R] advantages A_t, [B, R] returns A_t + V_t), both 0 outside the mask."""
     B, R = values.shape
-    values = values * mask  # [B, R]; positions past the end have value 0
-    next_value = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # [B, R] V_{t+1}
-    delta = (token_reward + gamma * next_value - values) * mask  # [B, R]
-    adv, running = torch.zeros_like(delta), delta.new_zeros(B)  # [B, R], [B]
+    values = values * mask  # [B, R]
+    adv = torch.zeros_like(values)  # [B, R]
+    running, next_value = values.new_zeros(B), values.new_zeros(B)  # [B] A and V at the next masked token
     for t in reversed(range(R)):
-        running = delta[:, t] + gamma * lam * running * mask[:, t]  # [B]
-        adv[:, t] = running
+        m = mask[:, t].bool()  # [B]
+        a = token_reward[:, t] + gamma * next_value - values[:, t] + gamma * lam * running  # [B]
+        adv[:, t] = torch.where(m, a, adv.new_zeros(()))
+        running = torch.where(m, a, running)
+        next_value = torch.where(m, values[:, t], next_value)
     return adv, (adv + values) * mask  # [B, R], [B, R]
 
 

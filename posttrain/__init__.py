@@ -8,10 +8,11 @@ import os as _os
 
 __version__ = "0.1.0"
 
-# A checkout keeps algorithms/, rewards/ and recipes/ beside posttrain/; an install maps them inside it as
-# posttrain.algorithms, posttrain.rewards and posttrain.recipes (pyproject.toml). When posttrain is imported from a
-# checkout (`python -m posttrain` or `torchrun -m posttrain` in the repository root, where the source tree shadows an
-# install), the checkout's root joins this package's search path, so those imports find the folders beside it.
+# A checkout keeps algorithms/, rewards/, environments/ and recipes/ beside posttrain/; an install maps them inside it
+# as posttrain.algorithms, posttrain.rewards, posttrain.environments and posttrain.recipes (pyproject.toml). When
+# posttrain is imported from a checkout (`python -m posttrain` or `torchrun -m posttrain` in the repository root,
+# where the source tree shadows an install), the checkout's root joins this package's search path, so those imports
+# find the folders beside it.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _root = _os.path.dirname(_here)
 if not _os.path.isdir(_os.path.join(_here, "algorithms")) and _os.path.isfile(

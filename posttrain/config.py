@@ -210,6 +210,8 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rollout.max_staleness and plugin.source != "online":
         raise ConfigError(f"rollout.max_staleness: workers run ahead for the online methods, which sample as they "
                           f"train; {plugin.name} does not (its samples, if any, are drawn once)")
+    if cfg.env.name is not None:
+        check_env(cfg, plugin)
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):
         raise ConfigError(f"eval.stop_on: kl needs a KL to the reference, which {plugin.name} with "
                           f"algorithm.beta={getattr(cfg.algorithm, 'beta', None)} does not measure")
@@ -224,6 +226,20 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree["algorithm"] = {"name": plugin.name, **dataclasses.asdict(cfg.algorithm)}
     resolved = {**dataclasses.asdict(cfg), "algorithm": tree["algorithm"], "rewards": rewards_tree(cfg.rewards)}
     return freeze(cfg), resolved  # read-only from here: what changes in a run lives in its controllers
+
+
+def check_env(cfg: RunConfig, plugin) -> None:
+    """env.name: a registered environment, for the online methods, on an engine that stops a turn at the
+    environment's strings (the HF engine, in the training process)."""
+    from posttrain import environments
+
+    environments.get(cfg.env.name)  # an unknown name fails here, naming the known ones
+    if plugin.source != "online":
+        raise ConfigError(f"env.name: episodes are sampled by the online methods as they train; {plugin.name} "
+                          "samples none, or once")
+    if cfg.rollout.engine != "hf" or cfg.rollout.placement != "colocated":
+        key = "rollout.engine" if cfg.rollout.engine != "hf" else "rollout.placement"
+        raise ConfigError(f"{key}: multi-turn episodes (env.name) run on rollout.engine=hf, colocated, for now")
 
 
 def check_normalize(cfg: RunConfig, plugin) -> None:

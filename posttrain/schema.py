@@ -566,6 +566,33 @@ class RewardsConfig(Freezable):
             raise ConfigError(f"overlong_penalty: must be ≥ 0 (got {self.overlong_penalty})")
 
 
+@dataclass
+class EnvConfig(Freezable):
+    """The `env` group: multi-turn rollouts in an environment (environments/, docs/environments.md)."""
+
+    name: str | None = None
+    """The environment each episode runs in (a registered name, e.g. calculator); null: one completion per prompt."""
+    max_turns: int = 4
+    """The most model turns an episode takes; the last one ends it whatever the environment says."""
+    max_turn_tokens: int | None = None
+    """Token budget of one model turn; null: rollout.max_new_tokens. rollout.max_new_tokens bounds the whole
+    response, the model's tokens and the environment's together."""
+    check_template: bool = False
+    """At every turn, check that the conversation so far, rendered (by the chat template, or plainly) and tokenised,
+    is a prefix of the trajectory's ids; the first position where it is not stops the run with one line."""
+    timeout_s: float = 5.0
+    """Wall-clock bound in seconds on each environment step, run in a bounded worker process; past it the model
+    sees an error as the environment's reply."""
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns: must be ≥ 1 (got {self.max_turns})")
+        if self.max_turn_tokens is not None and self.max_turn_tokens < 1:
+            raise ConfigError(f"max_turn_tokens: must be ≥ 1, or null (got {self.max_turn_tokens})")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
+
+
 # The trackers `report_to` names (posttrain.train.tracking), each with the packages that provide it: any one will do
 # (accelerate's TensorBoard tracker takes torch.utils.tensorboard, which needs tensorboard, else tensorboardX).
 TRACKERS = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb",), "trackio": ("trackio",)}
@@ -602,6 +629,8 @@ class RunConfig(Freezable):
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     """Rule rewards and their weights, e.g. {accuracy: 1.0, format: 0.1}; your own in `custom`; each call bounded."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts: the environment the online methods' samples act in, turn by turn."""
 
     def __post_init__(self):
         names = [name.strip() for name in self.report_to.split(",")]

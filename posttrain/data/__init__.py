@@ -6,11 +6,13 @@ from posttrain.data.rows import (
     completion_texts,
     load_splits,
     prompt_ids,
+    prompt_messages,
     prompt_texts,
     read_rows,
     response_ids,
     uses_chat,
 )
 
-__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_texts", "read_rows",
+__all__ = ["RowSampler", "check_fields", "completion_texts", "load_splits", "prompt_ids", "prompt_messages",
+           "prompt_texts", "read_rows",
            "response_ids", "uses_chat"]

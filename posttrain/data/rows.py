@@ -164,7 +164,7 @@ def uses_chat(tokenizer, cfg: DataConfig) -> bool:
     return has and cfg.chat_template is not False
 
 
-def _messages(row: dict, cfg: DataConfig) -> list[dict]:
+def prompt_messages(row: dict, cfg: DataConfig) -> list[dict]:
     template = cfg.template or PRESETS[cfg.preset]["chat"]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     return system + [{"role": "user", "content": template.replace("{prompt}", str(row[cfg.prompt_field]))}]
@@ -174,7 +174,7 @@ def prompt_texts(rows: list[dict], cfg: DataConfig, tokenizer=None) -> list[str]
     """Each row's prompt as text: its question in the template, rendered by the chat template when one is used
     (which needs `tokenizer`), else after the system prompt's line."""
     if uses_chat(tokenizer, cfg):
-        return [tokenizer.apply_chat_template(_messages(r, cfg), tokenize=False, add_generation_prompt=True)
+        return [tokenizer.apply_chat_template(prompt_messages(r, cfg), tokenize=False, add_generation_prompt=True)
                 for r in rows]
     template = cfg.template or PRESETS[cfg.preset]["raw"]
     head = f"{cfg.system_prompt}\n" if cfg.system_prompt else ""
@@ -204,7 +204,7 @@ def response_ids(tokenizer, rows: list[dict], cfg: DataConfig) -> list[list[int]
         specials = set(tokenizer.all_special_ids)
         prompts = tokenizer(prompt_texts(rows, cfg, tokenizer), add_special_tokens=False)["input_ids"]
         for i, (row, text) in enumerate(zip(rows, texts)):
-            whole = tokenizer.apply_chat_template(_messages(row, cfg) + [{"role": "assistant", "content": text}],
+            whole = tokenizer.apply_chat_template(prompt_messages(row, cfg) + [{"role": "assistant", "content": text}],
                                                   tokenize=False)
             ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
             turn = ids[len(prompts[i]) :] if ids[: len(prompts[i])] == prompts[i] else []

@@ -43,6 +43,8 @@ class RolloutEngine:
     """True when, under LoRA, the engine holds the adapted model and takes the trained adapter alone."""
     collective: bool = False
     """True when sampling runs sharded weights, so every process must make the same `generate` calls."""
+    stops: bool = False
+    """True when `generate` takes `stop` sequences, which multi-turn environments need (posttrain.environments)."""
     version: int = 0
     """The policy version it samples with: the training steps done when its weights were last synced."""
 
@@ -56,10 +58,12 @@ class RolloutEngine:
         raise NotImplementedError
 
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: list[list[int]] | None = None) -> Batch:
         """`n` completions of each prompt (or n[i] of prompt i), prompt by prompt: with n an int, rows i·n … i·n + n − 1
         answer prompt i; `Batch.group` says which prompt each row answers. `greedy` ignores the sampling settings and
-        decodes the most likely token each step."""
+        decodes the most likely token each step. `stop`: token-id sequences that also end a completion, kept in it
+        (an environment's end of a tool call); only engines with `stops` set take them."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -44,6 +44,7 @@ class HFEngine(RolloutEngine):
     """
 
     colocated = True
+    stops = True
 
     def __init__(self, model, *, pad_id: int, stop_ids: list[int], agree=None, compact_every: int = 16):
         self.model, self.pad_id, self.stop_ids, self.agree = model, pad_id, list(stop_ids), agree
@@ -61,7 +62,8 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: list[list[int]] | None = None) -> Batch:
         model, pad = self.model, self.pad_id
         device = next(model.parameters()).device
         sizes = counts(n, len(prompts))
@@ -72,13 +74,13 @@ class HFEngine(RolloutEngine):
         try:
             response, logp = decode(model, input_ids, attention_mask, max_new_tokens, stop_ids=self.stop_ids,
                                     pad_id=pad, temperature=temperature, top_p=top_p, greedy=greedy,
-                                    agree=self.agree, compact_every=self.compact_every)  # [B, R] x2
+                                    agree=self.agree, compact_every=self.compact_every, stop=stop)  # [B, R] x2
         finally:
             model.train(was_training)
         R = response.shape[1]
-        is_eos = torch.isin(response, torch.tensor(self.stop_ids, device=device))  # [B, R]
-        ended = is_eos.any(-1)  # [B]
-        length = torch.where(ended, is_eos.float().argmax(-1) + 1, torch.full_like(ended, R, dtype=torch.long))  # [B]
+        ends = stopped(response, self.stop_ids, stop)  # [B, R]
+        ended = ends.any(-1)  # [B]
+        length = torch.where(ended, ends.float().argmax(-1) + 1, torch.full_like(ended, R, dtype=torch.long))  # [B]
         mask = (torch.arange(R, device=device)[None] < length[:, None]).float()  # [B, R]
         response = torch.where(mask.bool(), response, torch.full_like(response, pad))
         return Batch(
@@ -186,13 +188,26 @@ def keep_rows(cache, rows: torch.Tensor) -> bool:
     return True
 
 
+def stopped(tokens: torch.Tensor, stop_ids: list[int], stop: list[list[int]] | None = None) -> torch.Tensor:
+    """[B, R] bool: True where a row's tokens end a completion there: a stop token, or the last token of one of
+    the `stop` sequences (a tool call's closing tag, as token ids)."""
+    ends = torch.isin(tokens, torch.tensor(stop_ids, device=tokens.device))  # [B, R]
+    for seq in stop or []:
+        k = len(seq)
+        if 0 < k <= tokens.shape[1]:
+            windows = tokens.unfold(1, k, 1)  # [B, R - k + 1, k]
+            hit = (windows == torch.tensor(seq, device=tokens.device)).all(-1)  # [B, R - k + 1]
+            ends[:, k - 1 :] |= hit
+    return ends
+
+
 def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int, *,
            stop_ids: list[int], pad_id: int, agree=None, compact_every: int = 0,
-           **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+           stop: list[list[int]] | None = None, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """Continues each left-padded prompt by up to `max_new_tokens` tokens: [B, P] -> [B, R], R ≤ max_new_tokens,
     with the tokens' log-probabilities as `next_token` gives them ([B, R] float32).
 
-    After a row emits a stop token it is fed `pad_id`; decoding ends when every row has stopped, or with sharded
+    After a row emits a stop token (or ends one of the `stop` sequences) it is fed `pad_id`; decoding ends when every row has stopped, or with sharded
     weights (`agree` given) when every row of every process has: each forward gathers weights from all of them.
     With `compact_every` = c > 0, every c tokens the rows that have stopped leave the batch: their cache rows are
     freed and their logits no longer computed. The tokens drawn stay the same: each step still draws one uniform
@@ -206,6 +221,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     mask = torch.cat([attention_mask, attention_mask.new_ones(B, max_new_tokens)], 1)  # [B, P + R]
     position = position_ids(attention_mask)  # [B, P]: positions that skip the left padding, as scoring numbers them
     stops = torch.tensor(stop_ids, device=input_ids.device)
+    sequences = [(torch.tensor(seq, device=input_ids.device), len(seq)) for seq in stop or [] if seq]
     out, cache = _prefill(model, cache_key, P + max_new_tokens, input_ids=input_ids, attention_mask=attention_mask,
                           position_ids=position, use_cache=True, **last)
     position = position[:, -1:]  # [b, 1], b the rows still in the batch
@@ -221,6 +237,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         tokens[rows, t] = token.masked_fill_(done, pad_id)
         logps[rows, t] = logp.masked_fill_(done, 0.0)
         done |= torch.isin(token, stops)
+        for seq, k in sequences:  # a stop sequence's last token, after the rest of it
+            if t + 1 >= k:
+                done |= (tokens[rows, t + 1 - k : t + 1] == seq).all(-1)
         if t == max_new_tokens - 1 or (agree(bool(done.all())) if agree else bool(done.all())):
             R = t + 1
             break

@@ -33,6 +33,13 @@ class Online(Source):
         self.group_sizes = d.group_sizes or FixedGroups(d.samples_per_prompt)
         self.temperature = d.temperature  # SamplingTemperature: read at each draw
         self.pipeline = Pipeline(self.draw, build(d))
+        self.episodes = None
+        if d.env is not None and d.env.name is not None:  # multi-turn: each sample an episode in the environment
+            from posttrain import environments
+            from posttrain.sources.episodes import Episodes
+
+            self.episodes = Episodes(d.rollout, environments.get(d.env.name), d.env, d.tokenizer, d.data,
+                                     pad_id=d.tokenizer.pad_token_id, stop_ids=list(d.stop_ids))
 
     @staticmethod
     def judges_rows(cfg) -> bool:
@@ -48,16 +55,24 @@ class Online(Source):
         n, stats = self.group_sizes(rows)  # an int, or each prompt's own
         s, temperature = self.sampling, self.temperature.value
         t0 = time.perf_counter()
-        batch = self.rollout.generate(prompt_ids(self.tokenizer, rows, self.data), n,
-                                      max_new_tokens=s.max_new_tokens, temperature=temperature, top_p=s.top_p)
+        prompts, env_stats = prompt_ids(self.tokenizer, rows, self.data), {}
+        if self.episodes is None:
+            batch = self.rollout.generate(prompts, n, max_new_tokens=s.max_new_tokens, temperature=temperature,
+                                          top_p=s.top_p)
+        else:
+            batch, env_stats = self.episodes.generate(rows, prompts, n, max_new_tokens=s.max_new_tokens,
+                                                      temperature=temperature, top_p=s.top_p)
         batch.temperature = temperature
         if batch.version is None:  # rollout workers stamp the version that sampled each row themselves
             batch.version = torch.full((len(batch),), self.rollout.version, dtype=torch.long)  # [B]
-        stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum()), **stats}
+        stats = {"time/rollout": time.perf_counter() - t0, "generated_tokens": float(batch.mask.sum()), **stats,
+                 **env_stats}
         t0 = time.perf_counter()
         sizes = n if isinstance(n, list) else [n] * len(rows)
         rows, texts = [r for r, k in zip(rows, sizes) for _ in range(k)], completion_texts(self.tokenizer, batch)
         outcome, reward_stats = self.judge.score(rows, texts, group=batch.group.cpu())  # [B] on the CPU
+        if "env_reward" in batch.extra:  # an episode's reward: the judge's outcome and the environment's turns
+            outcome = outcome + batch.extra.pop("env_reward").to(outcome.dtype)
         batch.reward = outcome
         stats.update(reward_stats, **{"time/reward": time.perf_counter() - t0})
         return Judged(batch, rows, texts, outcome, stats)

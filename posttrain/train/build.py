@@ -126,7 +126,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
             temperature=controllers.temperature, elite=controllers.elite,
             reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
-                                       r.group_size_target) if r.adaptive_group_size else None))
+                                       r.group_size_target) if r.adaptive_group_size else None,
+            env=cfg.env, stop_ids=tuple(setup.stop_ids)))
     engine.source = source
     if separate and source_cls.on_policy:  # the online source's batches, made ahead; the others sampled at the start
         engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,

@@ -440,7 +440,8 @@ def sample_records(tokenizer, batch: Batch, step: int) -> list[dict]:
     and the reward and sampling version where the batch has them."""
     prompts = [ids[keep.bool()] for ids, keep in zip(batch.input_ids[:, : batch.prompt_len].cpu(),
                                                        batch.attention_mask[:, : batch.prompt_len].cpu())]
-    responses = [ids[keep.bool()] for ids, keep in zip(batch.response_ids.cpu(), batch.mask.cpu())]
+    responses = [ids[keep.bool()] for ids, keep in zip(batch.response_ids.cpu(),  # an episode's tool replies too
+                                                       batch.attention_mask[:, batch.prompt_len :].cpu())]
     texts = tokenizer.batch_decode(prompts, skip_special_tokens=True), tokenizer.batch_decode(responses,
                                                                                              skip_special_tokens=True)
     records = []

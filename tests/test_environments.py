@@ -1,0 +1,388 @@
+"""Multi-turn episodes (env.*): the calculator tool against hostile expressions; the trajectory as one token sequence
+whose environment tokens are masked out and whose model tokens are kept exactly as sampled; the no-drift check
+catching a template that changes a token; every online method's gradient zero on the environment's tokens and the
+single-turn one on the model's; GAE stepping over the environment's tokens; stop sequences in the HF decode loop;
+a GRPO run in the calculator environment; bad settings refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, posttrain_here
+from fake_envs import Faulty
+from helpers import objective_grad, surrogate_grad, written_out_mean
+
+from posttrain import environments
+from posttrain.core.batch import Batch, left_pad
+from posttrain.core.errors import ConfigError
+from posttrain.environments import Reply
+from posttrain.environments.calculator import Calculator, evaluate
+from posttrain.rollout.base import RolloutEngine
+from posttrain.schema import DataConfig, EnvConfig
+from posttrain.sources.episodes import Episodes
+
+# -- the calculator --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expression, value", [("37*48", 1776), (" 12 + 7 * (3 - 5) ", -2), ("-7 // 2", -4),
+                                               ("100 % 7", 2), ("+5", 5), ("999999999999*999999999999",
+                                                                          999999999998000000000001)])
+def test_the_calculator_evaluates_integer_arithmetic(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("2**100000000", "not integer arithmetic"),  # a power: a huge number in C, no bound checked on the way
+    ("9" * 30 + "*" + "9" * 30, "more than 40 digits"),
+    ("__import__('os').system('rm -rf /')", "not integer arithmetic"),
+    ("().__class__.__bases__[0].__subclasses__()", "not integer arithmetic"),
+    ("open('/etc/passwd').read()", "not integer arithmetic"),
+    ("(lambda: 1)()", "not integer arithmetic"),
+    ("x + 1", "not integer arithmetic"),
+    ("1.5 * 2", "not integer arithmetic"),
+    ("True + 1", "not integer arithmetic"),
+    ("7 // 0", "division by zero"),
+    ("7 % (3 - 3)", "division by zero"),
+    ("1 +", "cannot parse"),
+    ("(" * 150 + "1" + ")" * 150, "longer than 200 characters"),
+    ("1" + "+1" * 120, "longer than 200 characters"),
+])
+def test_hostile_expressions_are_refused_with_a_reason(expression, why):
+    with pytest.raises(ValueError, match=why):
+        evaluate(expression)
+
+
+def test_the_calculator_answers_a_call_and_ends_otherwise():
+    calc = Calculator()
+    reply = calc.step("so <calc>37*48</calc>", [], ended=False)
+    assert (reply.text, reply.done, reply.info) == ("1776", False, {"calls": 1.0})
+    reply = calc.step("<calc>1/0</calc>", [], ended=False)
+    assert reply.text.startswith("error: ") and not reply.done and reply.info["call_errors"] == 1.0
+    assert calc.step("the answer is 1776", [], ended=True).done
+    assert calc.step("<calc>2*3</calc> then", [], ended=True).done  # a call not at the turn's end is no call
+    assert calc.render("1776") == "=1776"
+
+
+# -- episodes on a scripted engine -----------------------------------------------------------------------------------
+
+
+class Scripted(RolloutEngine):
+    """An engine that answers each `generate` call with the next scripted turns, one per row, as token ids; each
+    turn cut at `max_new_tokens`. Its log-probs are −0.5 − 0.01·(the token's place in the turn)."""
+
+    name, stops = "scripted", True
+
+    def __init__(self, tokenizer, script: list[list[str | list[int]]]):
+        self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+
+    def generate(self, prompts, n, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, stop=None):
+        assert n == 1 and stop is not None
+        turns = self.script.pop(0)
+        assert len(turns) == len(prompts)
+        self.calls.append((prompts, max_new_tokens, stop))
+        ids = [(t if isinstance(t, list) else self.tokenizer(t, add_special_tokens=False)["input_ids"])[:max_new_tokens]
+               for t in turns]
+        R = max(map(len, ids))
+        prompt, prompt_mask = left_pad(prompts, 0)
+        response = torch.tensor([i + [0] * (R - len(i)) for i in ids])
+        mask = torch.tensor([[1.0] * len(i) + [0.0] * (R - len(i)) for i in ids])
+        logp = -0.5 - 0.01 * torch.arange(R).float().expand(len(ids), R) * mask
+        return Batch(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
+                     mask=mask, prompt_len=prompt.shape[1], rollout_logp=logp * mask)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def episodes(tokenizer, script, *, data=None, **settings):
+    engine = Scripted(tokenizer, script)
+    env = EnvConfig(**{"name": "calculator", "check_template": True, **settings})
+    eos = tokenizer.eos_token_id
+    return engine, Episodes(engine, Calculator, env, tokenizer, data or DataConfig(), pad_id=tokenizer.pad_token_id,
+                            stop_ids=[eos])
+
+
+ROWS = [{"question": "12*34", "answer": "408"}, {"question": "5+6", "answer": "11"}]
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_an_episode_is_one_sequence_with_the_environment_masked_out(tokenizer):
+    eos = tokenizer.eos_token_id
+    first = ids(tokenizer, "<calc>12*34</calc>")
+    script = [[first, ids(tokenizer, "11") + [eos]],  # row 0 calls the tool, row 1 answers at once
+              [ids(tokenizer, "\n#### 408") + [eos]]]
+    engine, ep = episodes(tokenizer, script)
+    prompts = [ids(tokenizer, "Q: 12*34\n"), ids(tokenizer, "Q: 5+6\n")]
+    batch, metrics = ep.generate(ROWS, prompts, 1, max_new_tokens=40)
+    reply = ids(tokenizer, "=408")
+    # the second call continues row 0 from its whole trajectory: prompt, its turn, the tool's reply
+    assert engine.calls[1][0] == [prompts[0] + first + reply]
+    assert engine.calls[0][2] == [ids(tokenizer, "</calc>")]  # the stop string, as ids
+    want = first + reply + ids(tokenizer, "\n#### 408") + [eos]
+    R = batch.input_ids.shape[1] - batch.prompt_len
+    assert batch.response_ids[0].tolist() == want + [tokenizer.pad_token_id] * (R - len(want))
+    model = [1.0] * len(first) + [0.0] * len(reply) + [1.0] * (len(want) - len(first) - len(reply))
+    assert batch.mask[0].tolist() == model + [0.0] * (R - len(want))
+    assert torch.equal(batch.model_tokens, batch.mask)
+    assert batch.attention_mask[0, batch.prompt_len:].tolist() == [1] * len(want) + [0] * (R - len(want))
+    # the sampler's log-probs of each turn where its tokens are, 0 on the environment's
+    lp = batch.rollout_logp[0].tolist()
+    assert lp[: len(first)] == pytest.approx([-0.5 - 0.01 * t for t in range(len(first))])
+    assert lp[len(first): len(first) + len(reply)] == [0.0] * len(reply)
+    assert batch.group.tolist() == [0, 1] and batch.truncated.tolist() == [False, False]
+    assert metrics["env/turns"] == 1.5 and metrics["env/env_tokens"] == len(reply) / 2 and metrics["env/calls"] == 0.5
+
+
+def test_the_model_tokens_are_kept_as_sampled_never_retokenised(tokenizer):
+    """A turn whose ids are not what its text tokenises to (an <unk> inside the call, which decoding drops, as a BPE
+    model may sample a split its tokenizer would not make) stays those ids in the trajectory; the tool reads the
+    text; and the no-drift check reports the position where the text's tokens part from the sampled ones."""
+    eos, unk = tokenizer.eos_token_id, tokenizer.unk_token_id
+    odd = ids(tokenizer, "<calc>2") + [unk] + ids(tokenizer, "*3</calc>")
+    script = [[odd], [[tokenizer.convert_tokens_to_ids("6"), eos]]]
+    _, ep = episodes(tokenizer, script, check_template=False)
+    batch, _ = ep.generate(ROWS[:1], [ids(tokenizer, "Q\n")], 1, max_new_tokens=40)
+    assert batch.response_ids[0, : len(odd)].tolist() == odd
+    assert tokenizer.decode(batch.response_ids[0, len(odd): len(odd) + 2]) == "=6"
+    _, ep = episodes(tokenizer, [list(t) for t in script])
+    with pytest.raises(ConfigError, match=r"turn 1: .* at response token 7 \(rendered \['\*'"):
+        ep.generate(ROWS[:1], [ids(tokenizer, "Q\n")], 1, max_new_tokens=40)
+
+
+def test_budgets_truncate_and_the_last_turn_ends_the_episode(tokenizer):
+    call = ids(tokenizer, "<calc>1+1</calc>")
+    # max_turns=2: row 0 calls twice and is cut off unanswered; row 1 overruns its turn budget
+    script = [[call, ids(tokenizer, "1234567890" * 2)], [call]]
+    engine, ep = episodes(tokenizer, script, max_turns=2, max_turn_tokens=len(call))
+    batch, metrics = ep.generate(ROWS, [ids(tokenizer, "a"), ids(tokenizer, "b")], 1, max_new_tokens=60)
+    assert batch.truncated.tolist() == [True, True]
+    assert int(batch.attention_mask[1, batch.prompt_len:].sum()) == len(call)  # cut at the turn budget
+    assert len(engine.calls) == 2 and metrics["env/turns"] == 1.5
+    # the whole response's budget: the reply that would fill it ends the episode, truncated, without it
+    _, ep = episodes(tokenizer, [[call]], max_turns=3)
+    batch, _ = ep.generate(ROWS[:1], [ids(tokenizer, "a")], 1, max_new_tokens=len(call) + 2)
+    assert batch.truncated.tolist() == [True] and batch.response_ids.shape[1] == len(call)
+
+
+def test_an_environment_that_raises_or_hangs_is_an_observation(tokenizer):
+    eos = tokenizer.eos_token_id
+    engine = Scripted(tokenizer, [[ids(tokenizer, "<calc>1</calc>"), ids(tokenizer, "hang</calc>")],
+                                  [[eos], [eos]]])
+    ep = Episodes(engine, Faulty, EnvConfig(name="calculator", timeout_s=1.0), tokenizer, DataConfig(),
+                  pad_id=tokenizer.pad_token_id, stop_ids=[eos])
+    batch, metrics = ep.generate(ROWS, [ids(tokenizer, "a"), ids(tokenizer, "b")], 1, max_new_tokens=80)
+    texts = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+    assert "error: the environment failed (RuntimeError: the tool broke)" in texts[0]
+    assert "error: the environment failed (timed out after 1 s)" in texts[1]
+    # each episode's second, last turn (EOS) is read by the environment too, and fails again
+    assert metrics["env/errors"] == 4.0 and batch.truncated.tolist() == [False, False]
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def chat_tokenizer(tokenizer, template):
+    import copy
+
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = template
+    return chat
+
+
+def test_under_a_chat_template_the_reply_is_the_templates_rendering(tokenizer):
+    chat = chat_tokenizer(tokenizer, CHAT)
+    eos = chat.eos_token_id
+    turn = ids(chat, "<calc>12*34</calc>")
+    data = DataConfig(chat_template=True)
+    _, ep = episodes(chat, [[turn], [ids(chat, "#### 408") + [eos]]], data=data)
+    prompt = ids(chat, chat.apply_chat_template([{"role": "user", "content": ROWS[0]["question"]}], tokenize=False,
+                                                add_generation_prompt=True))
+    batch, _ = ep.generate(ROWS[:1], [prompt], 1, max_new_tokens=80)
+    text = chat.decode(batch.response_ids[0], skip_special_tokens=True)
+    assert text == "<calc>12*34</calc>\n<user>408\n<assistant>#### 408"
+    assert batch.mask[0, len(turn):len(turn) + len("\n<user>408\n<assistant>")].sum() == 0
+
+
+def test_the_no_drift_check_catches_a_template_that_changes_a_token(tokenizer):
+    """A template that trims each message's content renders the model's turn " <calc>2*3</calc>" without its first
+    space: the check stops at that token. The faithful template passes the same episode."""
+    turn = ids(tokenizer, " <calc>2*3</calc>")
+    eos = tokenizer.eos_token_id
+    data = DataConfig(chat_template=True)
+    prompt = ids(tokenizer, "<user>5+6\n<assistant>")
+    good = chat_tokenizer(tokenizer, CHAT)
+    _, ep = episodes(good, [[turn], [[eos]]], data=data)
+    ep.generate(ROWS[1:], [prompt], 1, max_new_tokens=80)
+    trims = chat_tokenizer(tokenizer, CHAT.replace("m['content'] }}", "m['content'] | trim }}"))
+    _, ep = episodes(trims, [[turn], [[eos]]], data=data)
+    with pytest.raises(ConfigError, match=r"chat template renders the conversation differently .*character 21: ' <calc>"):
+        ep.generate(ROWS[1:], [prompt], 1, max_new_tokens=80)
+    # plainly rendered, a tokenisation that differs from the sampled ids is caught at its position
+    _, ep = episodes(tokenizer, [[turn[:1] + turn[1:]], [[eos]]])
+    ep.tokenizer = Retokenised(tokenizer)
+    with pytest.raises(ConfigError, match=r"env.check_template: turn 1: .* at response token 0"):
+        ep.generate(ROWS[1:], [ids(tokenizer, "Q")], 1, max_new_tokens=80)
+
+
+class Retokenised:
+    """A tokenizer whose encoding of a text begins differently (a merge across a turn's edge, as BPE makes)."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def __call__(self, text, **kw):
+        out = self.inner(text, **kw)
+        if text.startswith("Q <calc>"):
+            out["input_ids"] = out["input_ids"][:1] + [self.inner.convert_tokens_to_ids("!")] + out["input_ids"][2:]
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+# -- the gradient: zero on the environment's tokens, the single-turn one on the model's ------------------------------
+
+
+def holed_batch(seed=0):
+    """Two groups of three episodes, ragged, with environment tokens between model turns (mask 0 inside a row)."""
+    g = torch.Generator().manual_seed(seed)
+    B, R = 6, 8
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 1, 1],
+                         [1, 1, 1, 0, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0, 1, 0]], dtype=torch.float)
+    attention = torch.ones(B, 3 + R, dtype=torch.long)
+    logp = -torch.rand(B, R, generator=g) * 3
+    batch = Batch(input_ids=torch.zeros(B, 3 + R, dtype=torch.long), attention_mask=attention, mask=mask, prompt_len=3,
+                  group=torch.tensor([0, 0, 0, 1, 1, 1]), reward=torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0]),
+                  truncated=torch.zeros(B, dtype=torch.bool), old_logp=logp + 0.1 * torch.randn(B, R, generator=g),
+                  ref_logp=logp + 0.2 * torch.randn(B, R, generator=g), model_tokens=mask.clone())
+    return batch, logp
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "rloo", "reinforce_pp", "online_rft", "ppo"])
+def test_environment_tokens_get_exactly_zero_gradient(name):
+    """The surrogate's gradient with respect to each token's log-prob: exactly 0 on the environment's tokens; on the
+    model's, what the same batch with the environment's tokens' log-probs changed gives (they enter nothing)."""
+    from posttrain.algorithms import get
+
+    plugin = get(name)
+    cfg = plugin.Config()
+    batch, logp = holed_batch()
+    batch.extra["values"] = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1))  # PPO's critic
+    prepared, _ = plugin.prepare(batch, cfg)
+    mode = "seq_mean_token_mean"  # train.loss_agg's default: 1/|o| counts the model's tokens
+    grad = surrogate_grad(plugin, prepared, logp, cfg, mode)
+    env = batch.mask == 0
+    assert (grad[env] == 0).all() and (grad[~env] != 0).any()
+    moved = logp.masked_fill(env, -9.0)
+    torch.testing.assert_close(surrogate_grad(plugin, prepared, moved, cfg, mode)[~env], grad[~env])
+
+
+def test_grpo_on_episodes_is_the_written_out_objective_over_the_model_tokens():
+    """GRPO's Eq. 3 + 4 written out with sums over the model's tokens only (1/|o| counting them): autograd of it
+    equals the plugin's surrogate gradient, on every aggregation."""
+    from posttrain.algorithms import get
+
+    plugin = get("grpo")
+    batch, logp = holed_batch(1)
+    cfg = plugin.Config(beta=0.04)
+    prepared, _ = plugin.prepare(batch, cfg)
+    for mode in ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"):
+        adv = prepared.adv.reshape(-1, 1) if prepared.adv.dim() == 1 else prepared.adv
+
+        def J(lp, adv=adv, mode=mode):
+            ratio = torch.exp(lp - batch.old_logp)
+            surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+            kl = torch.exp(batch.ref_logp - lp) - (batch.ref_logp - lp) - 1
+            return written_out_mean(surrogate - cfg.beta * kl, batch.mask, mode, norm=8.0)
+
+        torch.testing.assert_close(surrogate_grad(plugin, prepared, logp, cfg, mode, norm=8.0), objective_grad(J, logp))
+
+
+def test_gae_steps_over_the_environment_tokens():
+    """GAE on a row with holes equals GAE on the model's tokens alone, put back in place; 0 on the holes."""
+    from posttrain.algorithms.common import gae, kl_reward
+
+    batch, _ = holed_batch(2)
+    values = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(3))
+    token_reward = kl_reward(batch.reward, batch.old_logp, batch.ref_logp, batch.mask, beta=0.05)
+    assert (token_reward[batch.mask == 0] == 0).all()
+    adv, returns = gae(token_reward, values, batch.mask, gamma=0.99, lam=0.9)
+    for i in range(len(batch)):
+        keep = batch.mask[i].bool()
+        assert token_reward[i, keep][-1] != 0  # the outcome reward sits on the last model token
+        a, r = gae(token_reward[i, keep][None], values[i, keep][None], torch.ones(1, int(keep.sum())), 0.99, 0.9)
+        torch.testing.assert_close(adv[i, keep], a[0])
+        torch.testing.assert_close(returns[i, keep], r[0])
+        assert (adv[i, ~keep] == 0).all() and (returns[i, ~keep] == 0).all()
+
+
+# -- the HF engine stops at a stop sequence ---------------------------------------------------------------------------
+
+
+def test_the_hf_decode_loop_stops_after_a_stop_sequence(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.rollout.hf import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, pad_id=0, stop_ids=[2], compact_every=2)
+    prompts = [[5, 6, 7], [8, 9]]
+    free = engine.generate(prompts, 1, max_new_tokens=12, greedy=True)
+    row = free.response_ids[0].tolist()
+    stop = [row[3:5]]  # the tokens it writes 4th and 5th: the row ends there
+    cut = engine.generate(prompts, 1, max_new_tokens=12, greedy=True, stop=stop)
+    assert cut.response_ids[0, : int(cut.mask[0].sum())].tolist()[-2:] == row[3:5]
+    assert int(cut.mask[0].sum()) <= 5 and cut.truncated[0].item() is False
+    n = int(cut.mask[0].sum())
+    assert cut.response_ids[0, :n].tolist() == row[:n]  # the same tokens up to where it stopped
+    torch.testing.assert_close(cut.rollout_logp[0, :n], free.rollout_logp[0, :n])
+
+
+# -- end to end, and refusals ----------------------------------------------------------------------------------------
+
+
+def test_a_grpo_run_in_the_calculator_environment(warm_model_dir, tmp_path):
+    import json
+
+    from posttrain import config
+    from posttrain.train import run
+
+    cfg, resolved = config.load("grpo_math", [f"model.path={warm_model_dir}", f"output_dir={tmp_path / 'out'}",
+                                              "env.name=calculator", "env.check_template=true", "env.max_turns=2",
+                                              "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
+                                              "rollout.max_new_tokens=16", "eval.num_problems=0",
+                                              "data.difficulty=1", "data.train_size=20", "data.test_size=4",
+                                              "train.log_samples=true"])
+    run(cfg, resolved, quiet=True)
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["env/turns"] >= 1.0 for m in metrics)
+    assert "env: calculator" in (tmp_path / "out" / "config.yaml").read_text() or "name: calculator" in (
+        tmp_path / "out" / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["env.name=abacus"], "env.name"),
+    (["recipe=sft_math", "env.name=calculator"], "env.name: episodes are sampled by the online methods"),
+    (["env.name=calculator", "rollout.placement=separate"], "rollout.placement: multi-turn episodes"),
+    (["env.name=calculator", "env.max_turns=0"], "env.max_turns: must be ≥ 1"),
+    (["env.name=calculator", "env.timeout_s=0"], "env.timeout_s: must be > 0"),
+])
+def test_bad_env_settings_are_one_line_errors(tmp_path, args, fragment):
+    recipe = [a for a in args if a.startswith("recipe=")] or ["recipe=grpo_math"]
+    rest = [a for a in args if not a.startswith("recipe=")]
+    proc = posttrain_here("run", *recipe, *rest, f"output_dir={tmp_path / 'out'}")
+    assert_one_line_error(proc, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_registry_knows_the_calculator():
+    assert environments.get("calculator") is Calculator
+    assert isinstance(Reply(), Reply) and Reply().done is False
