@@ -78,7 +78,6 @@ def gae(token_reward, values, mask, gamma: float, lam: float) -> tuple[torch.Ten
     model's, so the token before them bootstraps from the model's next token (as if they were not there).
     Returns ([B, R] advantages A_t, [B, R] returns A_t + V_t), both 0 outside the mask."""
     B, R = values.shape
-    values = values * mask  # [B, R]
     adv = torch.zeros_like(values)  # [B, R]
     running, next_value = values.new_zeros(B), values.new_zeros(B)  # [B] A and V at the next masked token
     for t in reversed(range(R)):
