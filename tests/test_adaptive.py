@@ -7,7 +7,7 @@ import signal
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY
 
 from posttrain.core.schedules import TEMPERATURE_GAIN, adapted_temperature
@@ -149,4 +149,4 @@ def test_adaptive_sampling_runs_and_resumes_exactly(warm_model_dir, tmp_path):
     (["recipe=sft_math", "data.curriculum=pass_rate"], "data.curriculum: pass_rate"),
 ])
 def test_adaptive_sampling_refusals(extra, message):
-    assert_one_line_error(posttrain("config", *extra), message)
+    assert_one_line_error(posttrain_here("config", *extra), message)

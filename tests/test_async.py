@@ -64,7 +64,10 @@ def colocated(warm_model_dir, tmp_path_factory):
     return weights(out)
 
 
-@pytest.mark.parametrize("fault", [None, "die:2", "hang:3", "hang_weights:2"])
+# Without a fault (also shown by the killed-and-resumed run below) and stuck in sampling (the same time-out as stuck
+# taking weights): under -m slow.
+@pytest.mark.parametrize("fault", [pytest.param(None, marks=pytest.mark.slow, id="None"), "die:2",
+                                   pytest.param("hang:3", marks=pytest.mark.slow), "hang_weights:2"])
 def test_staleness_0_is_the_colocated_run_byte_for_byte(warm_model_dir, colocated, tmp_path, fault):
     """Without a fault, and with a worker killed (die), stuck in sampling (hang) or stuck taking weights
     (hang_weights) and restarted: the restarted worker gets the last weights and the request again, with the same
@@ -94,7 +97,7 @@ def test_lora_workers_take_the_adapter_alone_and_sample_as_colocated(warm_model_
     assert (out / "model" / adapter).read_bytes() == (tmp_path / "colocated" / "model" / adapter).read_bytes()
 
 
-@pytest.mark.parametrize("recipe", ["rft_math", "dpo_math"])
+@pytest.mark.parametrize("recipe", ["rft_math", pytest.param("dpo_math", marks=pytest.mark.slow)])  # one path
 def test_sample_once_sets_are_drawn_by_the_workers_as_colocated(warm_model_dir, tmp_path, recipe):
     """RFT's kept samples and DPO's pairs come from the starting model, sampled once through the workers (and the
     held-out evaluation too): with one worker drawing from the trainer's generator, the run ends as the colocated
@@ -165,7 +168,10 @@ def test_staleness_1_runs_a_version_ahead_and_never_more(ahead):
     assert all("mismatch/tis_capped" in m for m in metrics(out))
 
 
-@pytest.mark.parametrize("crash", ["request:5", "push:3", "step:3", "checkpoint:4"])
+# A batch sampled ahead (request 5) is the case of step:3 too, and a checkpoint write killed midway that of
+# tests/test_resume.py: those two under -m slow.
+@pytest.mark.parametrize("crash", [pytest.param("request:5", marks=pytest.mark.slow), "push:3", "step:3",
+                                   pytest.param("checkpoint:4", marks=pytest.mark.slow)])
 def test_killed_at_staleness_1_trains_every_prompt_exactly_once(warm_model_dir, ahead, tmp_path, crash):
     """kill -9 of the training process while a batch is sampled ahead (request 5: step 4's batch, during step 3),
     in the middle of a weight push (version 3), between a step and its checkpoint, and inside a checkpoint write;
@@ -261,6 +267,7 @@ def test_sharded_weights_reach_the_worker_whole(warm_model_dir, tmp_path, backen
     assert all(m["time/weight_sync"] > 0 for m in steps)
 
 
+@pytest.mark.slow  # the shared worker is shown by the tests above, exactly-once by the one-process kills
 def test_two_processes_killed_at_staleness_1_train_every_prompt_exactly_once(warm_model_dir, tmp_path):
     """Two ddp processes at k = 1, the first killed (kill -9) while a batch is sampled ahead, then the same command:
     each process trains every prompt it draws exactly once, the prompts of the run never interrupted, in order."""

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import FIXTURES
 from rich.console import Console
 from transformers import AutoModelForCausalLM
@@ -149,25 +149,25 @@ def test_sft_on_gsm8k_rows(tiny_model_dir, tmp_path):
     (["grpo_math"], ["recipe: got 'grpo_math', which is not key=value; did you mean recipe=grpo_math?"]),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, fragments):
-    assert_one_line_error(posttrain("run", *args, f"output_dir={tmp_path / 'x'}", "warmup.steps=1", cwd=tmp_path),
+    assert_one_line_error(posttrain_here("run", *args, f"output_dir={tmp_path / 'x'}", "warmup.steps=1", cwd=tmp_path),
                           *fragments)
 
 
 def test_a_recipe_that_is_not_yaml(tmp_path):
     """A colon in an unquoted value: YAML's scanner error, as one line naming the file and the line."""
     (tmp_path / "mine.yaml").write_text("algorithm: {name: grpo}\ndescription: GRPO: mine\n")
-    assert_one_line_error(posttrain("run", f"recipe={tmp_path / 'mine.yaml'}", cwd=tmp_path),
+    assert_one_line_error(posttrain_here("run", f"recipe={tmp_path / 'mine.yaml'}", cwd=tmp_path),
                           f"recipe {tmp_path / 'mine.yaml'}: cannot be read as YAML, line 2")
 
 
 def test_empty_data_and_missing_field(tmp_path, tiny_model_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={empty}",
+    assert_one_line_error(posttrain_here("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={empty}",
                                     f"output_dir={tmp_path / 'o'}"), "holds no rows")
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n" + json.dumps({"question": "2+2"}) + "\n")
-    assert_one_line_error(posttrain("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={rows}",
+    assert_one_line_error(posttrain_here("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={rows}",
                                     f"data.test_path={rows}", f"output_dir={tmp_path / 'o'}"),
                           f"data.path: '{rows}' row 2 has no field 'answer'")
 

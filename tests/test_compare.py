@@ -225,12 +225,17 @@ def test_report_over_seeds_says_which_differences_exceed_the_spread(tmp_path):
     assert (tmp_path / "compare.png").stat().st_size > 10_000
 
 
-def test_compare_over_seeds_runs_each_recipe_once_per_seed(tiny_model_dir, tmp_path):
+def test_compare_over_seeds_plans_each_recipe_once_per_seed(tmp_path):
     out = tmp_path / "cmp"
     p = compare.plan(["grpo_math", "seeds=2", "seed=5", f"output_dir={out}"])
     assert p.seed_list == [5, 6] and not any(o.startswith("seed=") for o in p.overrides)
     assert p.runs("grpo_math") == [(out / "grpo_math" / "seed_5", ["seed=5"]),
                                    (out / "grpo_math" / "seed_6", ["seed=6"])]
+
+
+@pytest.mark.slow  # four runs; compare's own path is test_compare_grpo_and_ppo's
+def test_compare_over_seeds_runs_each_recipe_once_per_seed(tiny_model_dir, tmp_path):
+    out = tmp_path / "cmp"
     proc = posttrain("compare", "grpo_math", "online_rft_math", f"model.path={tiny_model_dir}", "steps=1", "seeds=2",
                      f"output_dir={out}", *FAST)
     assert proc.returncode == 0, proc.stderr

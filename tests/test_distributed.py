@@ -61,18 +61,27 @@ def one_process(deep_model_dir, tmp_path_factory):
     return runs
 
 
-def backends(*extra):
-    """Every backend, the DeepSpeed ones marked; then `extra` (backend, offload) cases."""
+def backends(*extra, slow=()):
+    """Every backend, the DeepSpeed ones marked; then `extra` (backend, offload) cases. The ids in `slow` run under
+    -m slow only: cases whose path another case of the same test covers, left out to keep CI's time."""
     cases = [*((b, "none") for b in SHARE), *extra]
-    return [pytest.param(*c, marks=[needs_deepspeed] if c[0].startswith("zero") else [],
-                         id=c[0] if c[1] == "none" else f"{c[0]}-offload-{c[1]}") for c in cases]
+    params = []
+    for c in cases:
+        id = c[0] if c[1] == "none" else f"{c[0]}-offload-{c[1]}"
+        marks = [needs_deepspeed] if c[0].startswith("zero") else []
+        params.append(pytest.param(*c, marks=marks + ([pytest.mark.slow] if id in slow else []), id=id))
+    return params
 
 
+# Under LoRA the sharded backends run in CI (ddp and zero2 hold whole weights, as in full training); of the offloads,
+# zero3's (the others under -m slow).
 @pytest.mark.parametrize("backend,offload,adapted", [
-    *(pytest.param(*p.values, adapted, marks=p.marks, id=f"{p.id}-{'lora' if adapted else 'full'}")
+    *(pytest.param(*p.values, adapted, id=f"{p.id}-{'lora' if adapted else 'full'}",
+                   marks=[*p.marks, *([pytest.mark.slow] if adapted and p.id in ("ddp", "zero2") else [])])
       for p in backends() for adapted in (False, True)),
     *(pytest.param(*p.values, False, marks=p.marks, id=p.id)  # offload moves bytes, not numbers: full training only
-      for p in backends(("fsdp2", "params"), ("zero2", "optimizer"), ("zero3", "params"))[len(SHARE):])])
+      for p in backends(("fsdp2", "params"), ("zero2", "optimizer"), ("zero3", "params"),
+                        slow=("fsdp2-offload-params", "zero2-offload-optimizer"))[len(SHARE):])])
 def test_two_rank_update_equals_one_process_on_the_same_global_batch(backend, offload, adapted, one_process,
                                                                     deep_model_dir, tmp_path):
     """Rows split over 2 ranks (2 micro-batches each) give the loss, gradient and step of one process holding all
@@ -126,7 +135,7 @@ def test_two_rank_update_equals_one_process_on_the_same_global_batch(backend, of
         torch.testing.assert_close(param.data, both["weights"][name], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend,offload", backends())
+@pytest.mark.parametrize("backend,offload", backends(slow=("ddp", "zero2")))  # the sharded ones, where a miss hangs
 def test_packed_token_budgets_with_uneven_counts_keep_the_update(backend, offload, one_process, deep_model_dir,
                                                                   tmp_path):
     """Token budgets of packed sequences over 2 ranks holding 6 and 2 rows: the ranks run 3 and 1 micro-batches of
@@ -149,7 +158,7 @@ def test_packed_token_budgets_with_uneven_counts_keep_the_update(backend, offloa
 
 
 @pytest.mark.parametrize("backend,offload,extra", [
-    *(pytest.param(*p.values, [], marks=p.marks, id=p.id) for p in backends()),
+    *(pytest.param(*p.values, [], marks=p.marks, id=p.id) for p in backends(slow=("zero2", "zero3"))),
     # LoRA where the weights are sharded
     *(pytest.param(*p.values, ["model.lora.r=4", "model.lora.merge=true"], marks=p.marks, id=f"{p.id}-lora")
       for p in backends() if p.id in ("fsdp2", "zero3"))])
@@ -192,8 +201,9 @@ def test_cli_run_on_two_ranks(tiny_model_dir, tmp_path, extra, backend, offload)
     assert proc.stdout.count("held-out accuracy") == 1  # printed by rank 0 only
 
 
-@pytest.mark.parametrize("launch", [[], ["--num_machines", "1", "--num_processes", "2", "--main_process_ip",
-                                         "127.0.0.1", "--main_process_port", "0"]], ids=["one_node", "multi_node"])
+@pytest.mark.parametrize("launch", [[], pytest.param(["--num_machines", "1", "--num_processes", "2", "--main_process_ip",
+                                                       "127.0.0.1", "--main_process_port", "0"], marks=pytest.mark.slow)],
+                         ids=["one_node", "multi_node"])
 def test_shipped_accelerate_configs_start_two_ranks(tiny_model_dir, tmp_path, launch):
     """`accelerate launch --config_file examples/accelerate/…` starts the processes (the multi-node file with its
     machine count and address overridden to this machine), and the run's train.backend shards over them."""

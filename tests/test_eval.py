@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 
 from posttrain.rewards.accuracy import extract_answer
 from posttrain.train.evaluation import majority, majority_right, pass_at_k
@@ -62,10 +62,10 @@ def test_posttrain_eval_reports_greedy_pass_and_maj_with_records(tiny_model_dir,
     assert curve["maj"] == pytest.approx([sum(majority_right(f, c, K) for f, c in zip(finals, rights)) / 5
                                           for K in (1, 2)])
     written = out.read_text()
-    assert_one_line_error(posttrain("eval", tiny_model_dir, "-o", out), f"{out}: already exists")
+    assert_one_line_error(posttrain_here("eval", tiny_model_dir, "-o", out), f"{out}: already exists")
     assert out.read_text() == written  # nothing on disk replaced
-    assert_one_line_error(posttrain("eval", tmp_path / "nothing", "-o", tmp_path / "x.json"), "model.path")
-    assert_one_line_error(posttrain("eval", tiny_model_dir, "eval.n=1", "eval.k=2", "-o", tmp_path / "y.json"),
+    assert_one_line_error(posttrain_here("eval", tmp_path / "nothing", "-o", tmp_path / "x.json"), "model.path")
+    assert_one_line_error(posttrain_here("eval", tiny_model_dir, "eval.n=1", "eval.k=2", "-o", tmp_path / "y.json"),
                           "eval.n: must be ≥ k = 2")
 
 

@@ -4,7 +4,7 @@ step of the same config does (counted on a one-step run of a tiny model)."""
 import json
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain_here
 from conftest import EASY
 
 from posttrain import config
@@ -51,7 +51,7 @@ def test_json_counts_every_process(capsys, monkeypatch):
 
 
 def test_bad_input_is_one_line():
-    assert_one_line_error(posttrain("explain", "recipe=grpo_math", "train.batch_sise=3"), "train.batch_sise")
+    assert_one_line_error(posttrain_here("explain", "recipe=grpo_math", "train.batch_sise=3"), "train.batch_sise")
 
 
 def test_bad_world_size(monkeypatch, capsys):

@@ -4,7 +4,7 @@ GSM8K recipe end to end on a tiny chat checkpoint."""
 import json
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import FIXTURES
 from families import IM_END, bpe_tokenizer, build_family
 
@@ -112,7 +112,7 @@ def test_sft_gsm8k_recipe_on_a_chat_checkpoint(tmp_path, chat_tokenizer):
 
 
 def test_sft_gsm8k_needs_a_model():
-    assert_one_line_error(posttrain("run", "recipe=sft_gsm8k"), "model.path: required by recipe sft_gsm8k")
+    assert_one_line_error(posttrain_here("run", "recipe=sft_gsm8k"), "model.path: required by recipe sft_gsm8k")
 
 
 def test_a_template_that_writes_its_own_bos_gets_no_second_one():

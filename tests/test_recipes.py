@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY, FIXTURES
 
 from posttrain import config
@@ -56,13 +56,13 @@ def test_dpo_from_preference_file(warm_model_dir, tmp_path):
 def test_bad_preference_file(warm_model_dir, tmp_path):
     pairs = tmp_path / "prefs.jsonl"
     pairs.write_text(json.dumps({"prompt": "1+1", "chosen": "2"}) + "\n")
-    assert_one_line_error(posttrain("run", "recipe=dpo_math", f"model.path={warm_model_dir}",
+    assert_one_line_error(posttrain_here("run", "recipe=dpo_math", f"model.path={warm_model_dir}",
                                     f"algorithm.pairs_path={pairs}", f"output_dir={tmp_path / 'o'}", *TINY),
                           f"algorithm.pairs_path: '{pairs}' row 1 has no field 'rejected'")
 
 
 def test_dpo_without_a_reference(warm_model_dir, tmp_path):
-    assert_one_line_error(posttrain("run", "recipe=dpo_math", f"model.path={warm_model_dir}",
+    assert_one_line_error(posttrain_here("run", "recipe=dpo_math", f"model.path={warm_model_dir}",
                                     f"model.ref_path={tmp_path / 'nowhere'}", f"output_dir={tmp_path / 'o'}", *TINY),
                           "model.ref_path", "not a Hugging Face model directory")
 
@@ -77,7 +77,7 @@ def test_ppo_critic_with_another_tokenizer(warm_model_dir, tmp_path):
     model.resize_token_embeddings(len(tok))
     model.save_pretrained(other)
     tok.save_pretrained(other)
-    assert_one_line_error(posttrain("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
+    assert_one_line_error(posttrain_here("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
                                     f"algorithm.critic_path={other}", f"output_dir={tmp_path / 'o'}", *TINY),
                           "algorithm.critic_path", "different tokenizer")
 
@@ -98,6 +98,6 @@ def test_ppo_with_a_reward_model(warm_model_dir, tmp_path):
     assert "reward/model" in metrics and "reward/accuracy" in metrics
     summary = json.loads((out / "summary.json").read_text())
     assert summary["memory"]["roles_bytes"]["reward_model_weights"] > 0
-    assert_one_line_error(posttrain("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
+    assert_one_line_error(posttrain_here("run", "recipe=ppo_math", f"model.path={warm_model_dir}",
                                     f"reward_model.path={tmp_path / 'none'}", f"output_dir={tmp_path / 'x'}", *TINY),
                           "reward_model.path")

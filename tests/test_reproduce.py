@@ -5,7 +5,7 @@ import json
 
 import pytest
 import yaml
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 
 from posttrain.apps import reproduce
 from posttrain.apps.spread import Spread
@@ -27,7 +27,7 @@ def test_settings_and_refusals(tmp_path):
             continue
         with pytest.raises(UserError, match=message):
             reproduce.settings_of(figure, items)
-    assert_one_line_error(posttrain("reproduce", "figure9"), "reproduce: unknown figure 'figure9'")
+    assert_one_line_error(posttrain_here("reproduce", "figure9"), "reproduce: unknown figure 'figure9'")
 
 
 def test_figure5_gives_every_method_the_same_samples_per_step(tmp_path):

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY
 
 from posttrain.core.schedules import lr_factor
@@ -53,7 +53,7 @@ def test_the_run_logs_the_rate_each_step_used(tiny_model_dir, tmp_path):
                                             (["train.min_lr=1"], "train.min_lr: must be between 0 and lr"),
                                             (["train.lr_cycles=0"], "train.lr_cycles: must be ≥ 1")])
 def test_bad_schedule_settings(tmp_path, args, fragment):
-    assert_one_line_error(posttrain("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
+    assert_one_line_error(posttrain_here("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
 
 
 def test_beta_schedules_by_hand():
@@ -103,11 +103,11 @@ def test_the_run_uses_and_logs_each_steps_beta(tiny_model_dir, tmp_path, monkeyp
      "train.beta_schedule: grpo has nothing to schedule (algorithm.beta is 0"),
     (["train.beta_values=0.1"], "train.beta_values: expected a list")])
 def test_bad_beta_schedules(tmp_path, args, fragment):
-    assert_one_line_error(posttrain("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
+    assert_one_line_error(posttrain_here("run", "recipe=grpo_math", *args, f"output_dir={tmp_path / 'x'}"), fragment)
 
 
 def test_dpo_has_no_kl_weight_to_schedule(tmp_path):
-    assert_one_line_error(posttrain("run", "recipe=dpo_math", "train.beta_schedule=piecewise", "train.beta_values=[1]",
+    assert_one_line_error(posttrain_here("run", "recipe=dpo_math", "train.beta_schedule=piecewise", "train.beta_values=[1]",
                                     f"output_dir={tmp_path / 'x'}"), "train.beta_schedule: dpo has nothing to schedule")
 
 

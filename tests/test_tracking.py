@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import yaml
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain_here
 from conftest import EASY
 
 from posttrain import config, schema
@@ -231,7 +231,7 @@ def test_report_to_none_writes_nothing_outside_output_dir(tiny_model_dir, tmp_pa
     ("none,wandb", ["report_to: none names no tracker"]),
 ])
 def test_bad_report_to_exits_2_with_one_line(tmp_path, value, fragments):
-    assert_one_line_error(posttrain("run", "recipe=grpo_math", f"report_to={value}", f"output_dir={tmp_path / 'x'}"),
+    assert_one_line_error(posttrain_here("run", "recipe=grpo_math", f"report_to={value}", f"output_dir={tmp_path / 'x'}"),
                           *fragments)
 
 
