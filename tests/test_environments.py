@@ -248,6 +248,33 @@ class Retokenised:
         return getattr(self.inner, name)
 
 
+def test_evaluation_judges_the_whole_episode(tokenizer):
+    """`posttrain eval` and a run's evaluations with env.name: each problem answered turn by turn, and the episode's
+    text judged (here the answer written after the tool's reply)."""
+    from posttrain.judge import Judge
+    from posttrain.train.evaluation import evaluate
+
+    eos = tokenizer.eos_token_id
+    script = [[ids(tokenizer, "<calc>12*34</calc>"), ids(tokenizer, "#### 12") + [eos]],
+              [ids(tokenizer, "\n#### 408") + [eos]]]
+    _, ep = episodes(tokenizer, script)
+
+    class Exact(Judge):
+        def __init__(self):
+            pass
+
+        def correct(self, rows, texts):
+            return [t.endswith("#### " + r["answer"]) for r, t in zip(rows, texts)]
+
+        def answers(self, rows):
+            return [r["answer"] for r in rows]
+
+    result = evaluate(ep.engine, Exact(), tokenizer, ROWS, DataConfig(), max_new_tokens=40, batch_size=2,
+                      records=True, episodes=ep)
+    assert result["records"][0]["greedy"]["completion"] == "<calc>12*34</calc>=408\n#### 408"
+    assert [r["greedy"]["correct"] for r in result["records"]] == [True, False] and result["accuracy"] == 0.5
+
+
 # -- the gradient: zero on the environment's tokens, the single-turn one on the model's ------------------------------
 
 
@@ -358,14 +385,15 @@ def test_a_grpo_run_in_the_calculator_environment(warm_model_dir, tmp_path):
     cfg, resolved = config.load("grpo_math", [f"model.path={warm_model_dir}", f"output_dir={tmp_path / 'out'}",
                                               "env.name=calculator", "env.check_template=true", "env.max_turns=2",
                                               "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
-                                              "rollout.max_new_tokens=16", "eval.num_problems=0",
+                                              "rollout.max_new_tokens=16", "eval.num_problems=4",
                                               "data.difficulty=1", "data.train_size=20", "data.test_size=4",
                                               "train.log_samples=true"])
     run(cfg, resolved, quiet=True)
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["env/turns"] >= 1.0 for m in metrics)
-    assert "env: calculator" in (tmp_path / "out" / "config.yaml").read_text() or "name: calculator" in (
-        tmp_path / "out" / "config.yaml").read_text()
+    assert len(metrics) == 2 and all(m["env/turns"] >= 1.0 and "env/env_tokens" in m for m in metrics)
+    assert "env:\n  name: calculator" in (tmp_path / "out" / "config.yaml").read_text()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["eval_after"]["num_problems"] == 4  # evaluated in the environment too
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -27,6 +27,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     from posttrain.models.loading import is_adapter, load, stop_token_ids
     from posttrain.schema import weights_dtype
     from posttrain.sources import run_splits
+    from posttrain.sources.episodes import episodes_for
     from posttrain.train.evaluation import evaluate
     from posttrain.train.tracking import Progress
 
@@ -67,12 +68,13 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
         engine.load_weights(lora.merged_weights(policy))
     with Progress(len(rows), enabled=not quiet, unit="problems") as bar, backend.autocast():
         the_judge = judge.build(cfg, backend.device, with_reward_model=False, tokenizer=tokenizer)
-        result = evaluate(engine, the_judge, tokenizer, rows, cfg.data,
+        episodes = episodes_for(cfg.env, engine, tokenizer, cfg.data, stop_token_ids(policy, tokenizer))
+        result = evaluate(engine, the_judge, tokenizer, rows, cfg.data, episodes=episodes,
                           max_new_tokens=e.max_new_tokens or sampling.max_new_tokens, batch_size=e.batch_size,
                           k=e.k, n=e.n, temperature=sampling.temperature, top_p=sampling.top_p, records=True,
                           progress=lambda done: bar.update({"step": done}))
     merged = {"adapter_base": str(weights.resolve())} if adapter is not None else {}  # the base the adapter ran on
-    report = {"model": str(Path(model).resolve()), **merged, "rollout_engine": engine.name,
+    report = {"model": str(Path(model).resolve()), **merged, "rollout_engine": engine.name, "env": cfg.env.name,
               "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
               "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}

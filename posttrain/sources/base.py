@@ -16,7 +16,7 @@ from posttrain.data import RowSampler
 from posttrain.data.difficulty import PassRates
 from posttrain.judge import Judge
 from posttrain.rollout import RolloutEngine
-from posttrain.schema import DataConfig, EnvConfig, RewardsConfig, RolloutConfig, RunConfig
+from posttrain.schema import DataConfig, RewardsConfig, RolloutConfig, RunConfig
 from posttrain.stages import ElitePool
 
 
@@ -50,8 +50,8 @@ class Deps:
     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None  # a sum/mean/max over every process
     group_sizes: Callable[[list[dict]], tuple[int | list[int], dict]] | None = None  # rows -> (samples per prompt,
     # metrics): FixedGroups or AdaptiveGroups (posttrain.data.difficulty)
-    env: EnvConfig | None = None  # the env group: with env.name, samples are multi-turn episodes (sources/episodes.py)
-    stop_ids: tuple[int, ...] = ()  # every token id that ends a completion (the rollout engine's)
+    episodes: Any = None  # with env.name, the Episodes (sources/episodes.py) that sample multi-turn episodes on
+    # `rollout`; None: single completions
 
 
 class Source:

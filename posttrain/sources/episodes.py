@@ -205,3 +205,12 @@ class Episodes:
         for name in sorted({k for e in episodes for k in e.info}):
             out[f"env/{name}"] = sum(e.info.get(name, 0.0) for e in episodes) / n
         return out
+
+
+def episodes_for(env: EnvConfig, engine, tokenizer, data: DataConfig, stop_ids: list[int]) -> Episodes | None:
+    """The episodes a run or an evaluation samples with `env.name`; None without one (single completions)."""
+    if env.name is None:
+        return None
+    return Episodes(engine, environments.get(env.name), env, tokenizer, data, pad_id=tokenizer.pad_token_id,
+                    stop_ids=list(stop_ids))
+

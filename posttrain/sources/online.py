@@ -33,13 +33,7 @@ class Online(Source):
         self.group_sizes = d.group_sizes or FixedGroups(d.samples_per_prompt)
         self.temperature = d.temperature  # SamplingTemperature: read at each draw
         self.pipeline = Pipeline(self.draw, build(d))
-        self.episodes = None
-        if d.env is not None and d.env.name is not None:  # multi-turn: each sample an episode in the environment
-            from posttrain import environments
-            from posttrain.sources.episodes import Episodes
-
-            self.episodes = Episodes(d.rollout, environments.get(d.env.name), d.env, d.tokenizer, d.data,
-                                     pad_id=d.tokenizer.pad_token_id, stop_ids=list(d.stop_ids))
+        self.episodes = d.episodes  # multi-turn: each sample an episode in the environment (env.name)
 
     @staticmethod
     def judges_rows(cfg) -> bool:

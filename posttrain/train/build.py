@@ -28,6 +28,7 @@ from posttrain.rollout.shared import Lanes, SharedPool
 from posttrain.rollout.workers import WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
 from posttrain.sources import SOURCES, Deps
+from posttrain.sources.episodes import episodes_for
 from posttrain.train.controllers import build_controllers
 from posttrain.train.engine import Engine
 from posttrain.train.producer import Producer
@@ -113,6 +114,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     engine = Engine(cfg=cfg, backend=backend, model_path=model_path, plugin=plugin, needs=needs, tokenizer=tokenizer,
                      judge=judge, policy=trained_policy, ref=ref, ref_is_base=ref_is_base, critic=critic,
                      rollout=rollouts, controllers=controllers, test_rows=test_rows, parameters=parameters, roles=roles)
+    engine.episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids)  # for sources and eval
+    episodes = engine.episodes
     if separate:  # version 0, before a source samples through them: the workers loaded the start model's files, and
         engine.sync_rollout()  # an adapter starts afresh
     with backend.autocast():  # sources that sample a fixed set (RFT) do it here
@@ -127,7 +130,7 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
             reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None,
-            env=cfg.env, stop_ids=tuple(setup.stop_ids)))
+            episodes=episodes))
     engine.source = source
     if separate and source_cls.on_policy:  # the online source's batches, made ahead; the others sampled at the start
         engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,

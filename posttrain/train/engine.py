@@ -67,6 +67,7 @@ class Engine:
             "merged" if cfg.model.lora.r else "full"
         self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
         self.producer = None  # rollout.placement=separate: the thread that makes batches ahead (train/producer.py)
+        self.episodes = None  # env.name: the Episodes the source and the evaluation sample with (sources/episodes.py)
         self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
@@ -404,7 +405,8 @@ class Engine:
             return evaluate(self.rollout, self.judge, self.tokenizer, self.test_rows[: e.num_problems], self.cfg.data,
                             max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                             batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
-                            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p)
+                            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p,
+                            episodes=self.episodes)
 
 
 def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[list[int]]:

@@ -40,10 +40,17 @@ def majority_right(finals: list[str | None], right: list[bool], K: int) -> float
     return wins / len(runs)
 
 
+def _sample(rollout, episodes, rows: list[dict], prompts: list[list[int]], n: int, **settings):
+    """`n` completions of each prompt, or with `episodes` `n` episodes in the environment."""
+    if episodes is None:
+        return rollout.generate(prompts, n, **settings)
+    return episodes.generate(rows, prompts, n, **settings)[0]
+
+
 @torch.no_grad()
 def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, *, max_new_tokens: int,
              batch_size: int, backend=None, k: int = 0, n: int | None = None, temperature: float = 1.0,
-             top_p: float = 1.0, records: bool = False, progress=None) -> dict:
+             top_p: float = 1.0, records: bool = False, progress=None, episodes=None) -> dict:
     """Greedy accuracy on `rows` (sharded across processes when `backend` runs several), and with `k` > 0 pass@k and
     maj@k from `n` (default k) samples per problem at `temperature` and `top_p`.
 
@@ -54,6 +61,8 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
     vote of the first K).
 
     Args:
+        episodes: with `env.name`, the Episodes (posttrain.sources.episodes) that answer each problem turn by turn in
+            the environment, on `rollout`; the completion judged is the whole episode's text.
         records: also return one record per problem of this process ("records").
         progress: called with the number of problems done so far, after each batch.
 
@@ -73,9 +82,9 @@ def evaluate(rollout, judge, tokenizer, rows: list[dict], data_cfg: DataConfig, 
     for start in range(0, calls * batch_size, batch_size):
         chunk = shard[start : start + batch_size]
         prompts = prompt_ids(tokenizer, chunk or rows[:1], data_cfg)
-        batch = rollout.generate(prompts, 1, max_new_tokens=max_new_tokens, greedy=True)
-        sampled = rollout.generate(prompts, n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p) if n else None
+        batch = _sample(rollout, episodes, chunk or rows[:1], prompts, 1, max_new_tokens=max_new_tokens, greedy=True)
+        sampled = _sample(rollout, episodes, chunk or rows[:1], prompts, n, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p) if n else None
         if not chunk:
             continue
         texts = completion_texts(tokenizer, batch)
