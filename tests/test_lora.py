@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 
 from posttrain import config
 from posttrain.backends.ddp import DDP
@@ -160,10 +160,9 @@ def test_cli_lora_run_writes_adapter_and_merged_model(warm_model_dir, tmp_path):
     assert summary["parameters"]["trained"] < summary["parameters"]["total"]
     assert (out / "model" / "adapter_model.safetensors").is_file()
     assert (out / "merged_model" / "config.json").is_file() and (out / "merged_model" / "model.safetensors").is_file()
-    again = subprocess.run([sys.executable, "-m", "posttrain", "run", "recipe=grpo_math", f"model.path={out / 'model'}",
-                            f"output_dir={tmp_path / 'again'}", "train.steps=1", *SMALL], capture_output=True, text=True)
-    assert again.returncode == 2 and again.stderr.strip().count("\n") == 0, again.stderr
-    assert "holds a LoRA adapter, not a model" in again.stderr and "merged_model/" in again.stderr
+    again = posttrain_here("run", "recipe=grpo_math", f"model.path={out / 'model'}", f"output_dir={tmp_path / 'again'}",
+                           "train.steps=1", *SMALL)
+    assert_one_line_error(again, "holds a LoRA adapter, not a model", "merged_model/")
 
     # what `posttrain eval` loads for the adapter computes as merged_model/, and not as the base it started from
     from transformers import AutoModelForCausalLM

@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY
 
 from posttrain.core.errors import ConfigError
@@ -66,7 +66,8 @@ def test_auto_resume_starts_afresh_when_no_checkpoint_was_written(tiny_model_dir
     same command, from the start, saying so, and ends as a run never interrupted; resume=true stays strict."""
     out, args = tmp_path / "killed", ["train.save_every=3"]
     assert run(tiny_model_dir, out, *args, crash="step:2").returncode == -signal.SIGKILL
-    assert_one_line_error(run(tiny_model_dir, out, *args, "resume=true"), "resume: no complete checkpoint")
+    refused = posttrain_here("run", *RUN, f"model.path={tiny_model_dir}", f"output_dir={out}", *args, "resume=true")
+    assert_one_line_error(refused, "resume: no complete checkpoint")
     again = posttrain("run", *RUN, f"model.path={tiny_model_dir}", f"output_dir={out}", *args, "resume=auto")  # not -q
     assert again.returncode == 0, again.stderr[-2000:]
     assert "grpo run from the start, writing to" in again.stderr
@@ -85,7 +86,8 @@ def test_keep_checkpoints_and_refusals(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [p.name for p in checkpoint.complete(out / "checkpoints")] == ["step_3", "step_4"]
     assert (out / "checkpoints" / "step_4" / "config.json").is_file()  # still a model directory
-    assert_one_line_error(run(tiny_model_dir, out, "resume=true"), "resume:", "holds a finished run")
+    refused = posttrain_here("run", *RUN, f"model.path={tiny_model_dir}", f"output_dir={out}", "resume=true")
+    assert_one_line_error(refused, "resume:", "holds a finished run")
     step = out / "checkpoints" / "step_3"
     for extra, message in [
         (["resume=true", f"output_dir={tmp_path / 'none'}"], "resume: no complete checkpoint"),
