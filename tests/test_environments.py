@@ -382,18 +382,20 @@ def test_a_grpo_run_in_the_calculator_environment(warm_model_dir, tmp_path):
     from posttrain import config
     from posttrain.train import run
 
-    cfg, resolved = config.load("grpo_math", [f"model.path={warm_model_dir}", f"output_dir={tmp_path / 'out'}",
-                                              "env.name=calculator", "env.check_template=true", "env.max_turns=2",
-                                              "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
-                                              "rollout.max_new_tokens=16", "eval.num_problems=4",
-                                              "data.difficulty=1", "data.train_size=20", "data.test_size=4",
-                                              "train.log_samples=true"])
-    run(cfg, resolved, quiet=True)
+    common = [f"model.path={warm_model_dir}", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
+              "rollout.max_new_tokens=16", "eval.num_problems=4", "data.difficulty=1", "data.train_size=20",
+              "data.test_size=4", "train.threads=1"]
+    for out, env in (("out", ["env.name=calculator", "env.check_template=true", "env.max_turns=2"]), ("plain", [])):
+        run(*config.load("grpo_math", [*common, *env, f"output_dir={tmp_path / out}"]), quiet=True)
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["env/turns"] >= 1.0 and "env/env_tokens" in m for m in metrics)
     assert "env:\n  name: calculator" in (tmp_path / "out" / "config.yaml").read_text()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["eval_after"]["num_problems"] == 4  # evaluated in the environment too
+    # this model never calls the tool: each episode is one turn, drawn as the single-turn run draws it
+    assert all(m["env/env_tokens"] == 0 for m in metrics)
+    weights = [(tmp_path / out / "model" / "model.safetensors").read_bytes() for out in ("out", "plain")]
+    assert weights[0] == weights[1]
 
 
 @pytest.mark.parametrize("args, fragment", [
