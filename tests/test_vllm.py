@@ -210,7 +210,7 @@ def test_grpo_on_vllm_syncs_every_step_with_a_small_mismatch(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.slow  # 5 minutes on 2 AVX2-only cores
+@pytest.mark.slow  # 5 minutes on 2 AVX-512+AMX cores with torch capped to AVX2 kernels
 def test_grpo_on_vllm_lifts_accuracy_and_logs_the_mismatch(tmp_path):
     """`posttrain run recipe=grpo_math rollout.engine=vllm` as shipped for its first 60 steps of 140: held-out
     accuracy rises (0.366 -> 0.504 measured on AVX-512 with AMX, bf16 on both sides; 0.220 -> 0.296 with the

@@ -207,8 +207,9 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
     """Continues each left-padded prompt by up to `max_new_tokens` tokens: [B, P] -> [B, R], R ≤ max_new_tokens,
     with the tokens' log-probabilities as `next_token` gives them ([B, R] float32).
 
-    After a row emits a stop token (or ends one of the `stop` sequences) it is fed `pad_id`; decoding ends when every row has stopped, or with sharded
-    weights (`agree` given) when every row of every process has: each forward gathers weights from all of them.
+    After a row emits a stop token (or ends one of the `stop` sequences) it is fed `pad_id`; decoding ends when
+    every row has stopped, or with sharded weights (`agree` given) when every row of every process has: each
+    forward gathers weights from all of them.
     With `compact_every` = c > 0, every c tokens the rows that have stopped leave the batch: their cache rows are
     freed and their logits no longer computed. The tokens drawn stay the same: each step still draws one uniform
     number for every row of the batch, in the same order, and a running row uses its own.
