@@ -100,6 +100,7 @@ PRESETS = {
 }
 ANSWER_FORMATS = ("number", "math")
 CURRICULA = ("none", "field", "pass_rate")
+TASKS = ("arithmetic", "calc")  # the embedded tasks (posttrain/data/embedded.py)
 
 
 @dataclass
@@ -147,10 +148,13 @@ class DataConfig(Freezable):
     """curriculum=field: T, the step from which every row is drawn; null: half of train.steps."""
     curriculum_floor: float = 0.05
     """curriculum=pass_rate: the least weight a row keeps, so solved prompts are still drawn now and then, in (0, 1]."""
+    task: str = "arithmetic"
+    """Embedded task: arithmetic (one-digit sums worked one step per line) or calc (a product of two-digit numbers
+    and more terms, worked with one call to the calculator tool, `env.name=calculator`; recipe grpo_tools)."""
     difficulty: int = 2
-    """Embedded task: operations per problem (1: a±b, 2: a±b±c, ...), one worked step each."""
-    max_operand: int = 9
-    """Embedded task: operands are drawn from 0..max_operand."""
+    """Embedded task: operations per problem (arithmetic 1: a±b, 2: a±b±c, ...; calc 1: a*b, 2: a*b±c, ...)."""
+    max_operand: int | None = None
+    """Embedded task: the largest operand (arithmetic: from 0, calc: from 10); null: 9 (arithmetic), 99 (calc)."""
     train_size: int = 3000
     """Embedded task: training problems."""
     test_size: int = 500
@@ -176,6 +180,10 @@ class DataConfig(Freezable):
             raise ConfigError(f"chat_template: must be auto, true or false (got {self.chat_template!r})")
         if self.template is not None and "{prompt}" not in self.template:
             raise ConfigError(f"template: must contain {{prompt}} (got {self.template!r})")
+        if self.task not in TASKS:
+            raise ConfigError(f"task: unknown {self.task!r}; known: {', '.join(TASKS)}")
+        if self.max_operand is None:
+            self.max_operand = 99 if self.task == "calc" else 9
         for key in ("max_prompt_len", "max_response_len", "difficulty", "max_operand", "train_size", "test_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")

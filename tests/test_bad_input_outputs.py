@@ -171,6 +171,23 @@ def test_a_warmup_holds_its_lock_while_it_writes(tmp_path, monkeypatch):
     _locked(path.parent.with_name(path.parent.name + ".lock")).close()  # released once done
 
 
+def test_each_task_warms_up_a_model_of_its_own(tmp_path, monkeypatch):
+    from posttrain.apps import warmup
+
+    trained = {}
+
+    def fake_run(run_cfg, resolved, quiet):
+        trained[run_cfg.data.task] = run_cfg.data.max_operand
+        (Path(run_cfg.output_dir) / "model").mkdir(parents=True)
+        (Path(run_cfg.output_dir) / "model" / "config.json").write_text("{}")
+
+    monkeypatch.setattr(warmup, "run", fake_run)
+    monkeypatch.setattr(warmup, "build_model_dir", lambda path, **kw: path)
+    paths = [warmup.ensure(config.load(recipe, [f"warmup.cache_dir={tmp_path}"])[0], quiet=True)[0]
+             for recipe in ("grpo_math", "grpo_tools")]
+    assert paths[0] != paths[1] and trained == {"arithmetic": 9, "calc": 99}
+
+
 def _rows(path: Path, long_row: int, chars: int, n: int = 40) -> Path:
     rows = [{"question": f"{i} + 1", "answer": str(i + 1)} for i in range(n)]
     rows[long_row]["question"] = "7 " * (chars // 2)

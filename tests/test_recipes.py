@@ -14,7 +14,7 @@ PER_RECIPE = {"rft_math": ["algorithm.num_prompts=16"], "dpo_math": ["algorithm.
               "grpo_math": ["algorithm.group_size=2"], "grpo_ps_math": ["algorithm.group_size=2"],
               "gspo_math": ["algorithm.group_size=2"], "drgrpo_math": ["algorithm.group_size=2"],
               "dapo_math": ["algorithm.group_size=2"], "rloo_math": ["algorithm.group_size=2"],
-              "reinforce_pp_math": ["algorithm.group_size=2"],
+              "reinforce_pp_math": ["algorithm.group_size=2"], "grpo_tools": ["algorithm.group_size=2"],
               "ppo_math": ["algorithm.samples_per_prompt=2"],
               "sft_gsm8k": [f"data.path={FIXTURES / 'gsm8k' / 'train_head.jsonl'}", "eval.k=2",
                             f"data.test_path={FIXTURES / 'gsm8k' / 'test_head.jsonl'}", "train.precision=fp32"]}

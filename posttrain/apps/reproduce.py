@@ -144,8 +144,9 @@ def figure5(own: dict, passed: list[str]) -> int:
     return 0
 
 
-def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path) -> None:
-    """Held-out accuracy against step, one line per method at the mean over seeds, a band of ± sd."""
+def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path,
+                title: str = "Figure 5 at toy scale: the embedded task") -> None:
+    """Held-out accuracy against step, one line per method (or setting) at the mean over seeds, a band of ± sd."""
     import statistics
 
     import matplotlib
@@ -165,7 +166,7 @@ def plot_curves(curves: dict[str, list[list[tuple[int, float]]]], path: Path) ->
     seeds = len(next(iter(curves.values())))
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy (greedy)" + (f", mean ± sd over {seeds} seeds" if seeds > 1 else ""))
-    ax.set_title("Figure 5 at toy scale: the embedded task")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(path, dpi=110)

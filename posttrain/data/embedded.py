@@ -1,7 +1,9 @@
-"""The embedded task: seeded synthetic arithmetic problems with held-out test problems; nothing is downloaded.
+"""The embedded tasks: seeded synthetic arithmetic problems with held-out test problems; nothing is downloaded.
 
-Problems end in ``#### N`` like GSM8K, so the same reward code checks both. The tiny model that goes with it is
-`posttrain.models.embedded`.
+`data.task` picks one: `arithmetic` (sums of one-digit numbers, worked one step per line, which the tiny model
+learns to do in its head) or `calc` (a product of two-digit numbers and more terms, which it cannot do reliably in its
+head, worked with one call to the calculator tool of `environments/calculator.py`). Answers end in ``#### N`` like
+GSM8K, so the same reward code checks both. The tiny model that goes with them is `posttrain.models.embedded`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,28 @@ def make_problem(rng: random.Random, difficulty: int, max_operand: int = 9) -> d
     return {"question": question, "answer": "\n".join(steps) + f"\n#### {total}"}
 
 
-def make_split(seed: int, size: int, difficulty: int, max_operand: int, exclude: set[str] = frozenset()) -> list[dict]:
+def make_calc_problem(rng: random.Random, difficulty: int, max_operand: int = 99) -> dict[str, str]:
+    """One calculator problem: a product of two operands in [10, max_operand], then `difficulty` − 1 more operands
+    added or subtracted; worked with one call to the calculator, whose reply (`=1776`) follows the call.
+
+    >>> make_calc_problem(random.Random(1), 2)
+    {'question': '27*82+42', 'answer': '<calc>27*82+42</calc>=2256\\n#### 2256'}
+    """
+    low = min(10, max_operand)
+    a, b = rng.randint(low, max_operand), rng.randint(low, max_operand)
+    rest = [(rng.choice("+-"), rng.randint(low, max_operand)) for _ in range(difficulty - 1)]
+    question = f"{a}*{b}" + "".join(f"{sign}{term}" for sign, term in rest)
+    value = a * b + sum(term if sign == "+" else -term for sign, term in rest)
+    return {"question": question, "answer": f"<calc>{question}</calc>={value}\n#### {value}"}
+
+
+def make_split(seed: int, size: int, difficulty: int, max_operand: int, exclude: set[str] = frozenset(),
+               task: str = "arithmetic") -> list[dict]:
     """`size` distinct problems from `seed`, none of whose questions is in `exclude` (held-out stays held out)."""
     rng, rows, seen = random.Random(seed), [], set(exclude)
+    make = make_calc_problem if task == "calc" else make_problem
     for _ in range(size * 50):
-        row = make_problem(rng, difficulty, max_operand)
+        row = make(rng, difficulty, max_operand)
         if row["question"] not in seen:
             seen.add(row["question"])
             rows.append(row)
@@ -42,7 +61,8 @@ def make_split(seed: int, size: int, difficulty: int, max_operand: int, exclude:
                       "problems for the train and test sizes; lower data.train_size or raise data.difficulty")
 
 
-def task_splits(seed: int, train_size: int, test_size: int, difficulty: int, max_operand: int = 9):
-    """(train, test) problems; test questions never appear in train."""
-    test = make_split(seed + 1_000_003, test_size, difficulty, max_operand)
-    return make_split(seed, train_size, difficulty, max_operand, {r["question"] for r in test}), test
+def task_splits(seed: int, train_size: int, test_size: int, difficulty: int, max_operand: int = 9,
+                task: str = "arithmetic"):
+    """(train, test) problems of `task`; test questions never appear in train."""
+    test = make_split(seed + 1_000_003, test_size, difficulty, max_operand, task=task)
+    return make_split(seed, train_size, difficulty, max_operand, {r["question"] for r in test}, task), test

@@ -133,7 +133,8 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     not score is refused before training, naming its file, row and field. With only `test_path` (enough for
     `posttrain eval`) there are no training rows."""
     if cfg.preset == "embedded":
-        return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand)
+        return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand,
+                                     cfg.task)
     answer = {cfg.answer_field: reference} if reference is not None else {}
     train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
     if cfg.test_path is None:  # hold out the tail, so evaluation never sees a training row
