@@ -3,12 +3,13 @@
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain, posttrain_here
+from cli_helpers import Zygote, assert_one_line_error, posttrain, posttrain_fresh, posttrain_here
 from conftest import FIXTURES
 from rich.console import Console
 from transformers import AutoModelForCausalLM
@@ -24,6 +25,25 @@ def test_recipes_and_help():
     assert proc.returncode == 0 and "grpo_math" in proc.stdout and "sft_math" in proc.stdout
     for args in (["--help"], ["run", "--help"], ["config", "--help"], ["recipes", "--help"]):
         assert posttrain(*args).returncode == 0
+
+
+def test_a_forked_command_is_the_fresh_interpreters(tiny_model_dir, tmp_path):
+    """`posttrain()` forks its commands from tests/zygote.py: a run there writes what a new interpreter writes."""
+    args = ["run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.steps=2", "train.threads=1", *FAST]
+    forked = posttrain(*args, "output_dir=out_a", cwd=tmp_path)
+    assert Zygote.instance is not None and Zygote.instance.proc.poll() is None  # it did fork
+    fresh = posttrain_fresh(*args, "output_dir=out_b", cwd=tmp_path)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr
+    def lines(text: str) -> list[str]:  # but the time of "done in" and of DeepSpeed's log lines
+        return [re.sub(r"^\[[-0-9 :,]+\]|done in [0-9.]+s", "", line) for line in text.splitlines()]
+
+    assert lines(forked.stdout.replace("out_a", "out_b")) == lines(fresh.stdout) and "held-out accuracy" in fresh.stdout
+    for name in ("model/model.safetensors", "config.yaml"):
+        assert (tmp_path / "out_a" / name).read_bytes().replace(b"out_a", b"out_b") == (
+            tmp_path / "out_b" / name).read_bytes()
+    failed = posttrain("run", "recipe=grpo_math", "train.steps=-1", cwd=tmp_path)
+    assert (failed.returncode, failed.stderr) == (2, posttrain_fresh("run", "recipe=grpo_math", "train.steps=-1",
+                                                                    cwd=tmp_path).stderr) and "train.steps" in failed.stderr
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():

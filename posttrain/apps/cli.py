@@ -253,15 +253,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def prepare_process() -> None:
+    """What a posttrain process sets before it imports torch or transformers (the CLI's first step)."""
     limit_malloc_arenas()  # before torch starts a thread
-    args = parse(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything posttrain loads is local
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers stays quiet (no progress bars, errors only) through its environment, read when it is first
     # imported: importing it here would cost every command a second, `posttrain recipes` and bad input too.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    prepare_process()
+    args = parse(argv)
     try:
         code = args.func(args)
     except UserError as err:

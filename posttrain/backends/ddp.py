@@ -97,7 +97,10 @@ class DDP(Backend):
         self.acc.wait_for_everyone()
 
     def generation_model(self, trained):
-        return self.acc.unwrap_model(trained.module)
+        # DDP's wrapper off by hand: accelerate's `unwrap_model` imports DeepSpeed, where it is installed, to check
+        # for its engine, half a second at the start of every run
+        module = trained.module
+        return module.module if isinstance(module, torch.nn.parallel.DistributedDataParallel) else module
 
     def save(self, trained, tokenizer, path: Path, merged: bool = False):
         if self.is_main:  # every process holds the same weights, whole: the first writes them as they are

@@ -24,7 +24,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from posttrain.backends.base import (
     Backend,
@@ -40,8 +39,9 @@ from posttrain.models import lora
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a sharded parameter (a collective call), the tensor itself otherwise."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The whole tensor of a sharded parameter (a DTensor: a collective call), the tensor itself otherwise. DTensor
+    is not imported here: its module takes a second to import, which every process would pay for FSDP2 unused."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
