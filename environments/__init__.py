@@ -9,4 +9,4 @@ from posttrain.environments.base import ENVIRONMENTS, POOL, Environment, Reply, 
 __all__ = ["ENVIRONMENTS", "POOL", "Environment", "Reply", "get", "register", "run_step"]
 
 # The built-in environments register themselves on import.
-from posttrain.environments import calculator  # noqa: E402,F401
+from posttrain.environments import calculator, python  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""Multi-turn episodes (env.*): the calculator tool against hostile expressions; the trajectory as one token sequence
+"""Multi-turn episodes (env.*): the calculator tool against hostile expressions; the Python tool's sandbox against
+hostile code; the trajectory as one token sequence
 whose environment tokens are masked out and whose model tokens are kept exactly as sampled; the no-drift check
 catching a template that changes a token; every online method's gradient zero on the environment's tokens and the
 single-turn one on the model's; GAE stepping over the environment's tokens; stop sequences in the HF decode loop;
@@ -17,6 +18,7 @@ from posttrain.core.batch import Batch, left_pad
 from posttrain.core.errors import ConfigError
 from posttrain.environments import Reply
 from posttrain.environments.calculator import Calculator, evaluate
+from posttrain.environments.python import Python
 from posttrain.rollout.base import RolloutEngine
 from posttrain.schema import DataConfig, EnvConfig
 from posttrain.sources.episodes import Episodes
@@ -61,6 +63,65 @@ def test_the_calculator_answers_a_call_and_ends_otherwise():
     assert calc.step("the answer is 1776", [], ended=True).done
     assert calc.step("<calc>2*3</calc> then", [], ended=True).done  # a call not at the turn's end is no call
     assert calc.render("1776") == "=1776"
+
+
+# -- the Python tool ----------------------------------------------------------------------------------------------
+LIMIT = EnvConfig(name="python", timeout_s=1.5)  # the sandbox stops code at 80% of it: 1.2 s
+
+
+@pytest.mark.parametrize("code, says", [
+    ("while True:\n    pass", "error: stopped after 1.2 s"),  # an infinite loop
+    ("import time\ntime.sleep(60)", "error: stopped after 1.2 s"),
+    ("import os\nwhile True:\n    os.fork()", "PermissionError: not allowed in the sandbox: os.fork"),  # a fork bomb
+    ("import os\nos.system('echo hi > /tmp/x')", "not allowed in the sandbox: os.system"),
+    ("import subprocess", "ImportError: the sandbox has only the modules"),
+    ("import socket\nsocket.create_connection(('example.com', 80))", "(not socket)"),
+    ("import ctypes", "(not ctypes)"),
+    ("print(open('/etc/passwd').read())", "its own directory only, not /etc/passwd"),
+    ("print(open('../../etc/hostname').read())", "its own directory only, not ../../etc/hostname"),
+    ("import os\nprint(os.listdir('/'))", "its own directory only, not /"),
+    ("import os\nos.kill(os.getppid(), 9)", "not allowed in the sandbox: os.kill"),
+    ("import os\nos.remove('/tmp/anything')", "not allowed in the sandbox: os.remove"),
+    ("print('x' * 10**8)", "error: output cut at 1000 characters"),  # huge output at once
+    ("while True:\n    print('y' * 100)", "error: output cut at 1000 characters"),  # and as a flood
+    ("a = [0] * 10**9", "MemoryError"),
+    ("open('big', 'w').write('x' * (5 << 20))", "File too large"),
+    ("import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass", "error: stopped after 1.2 s"),
+    ("def f():\n    return f()\nf()", "RecursionError"),
+])
+def test_hostile_code_is_an_observation_never_a_hang(code, says):
+    import time
+
+    t0 = time.perf_counter()
+    reply = Python(LIMIT).step(f"<python>{code}</python>", [], ended=False)
+    assert says in reply.text and len(reply.text) < 1100, reply.text
+    assert not reply.done and reply.info == {"calls": 1.0, "call_errors": 1.0}
+    assert time.perf_counter() - t0 < LIMIT.timeout_s + 1.0
+
+
+def test_the_python_tool_runs_code_in_a_directory_of_its_own():
+    tool = Python(LIMIT)
+    reply = tool.step("Let me compute. <python>from fractions import Fraction\nprint(37 * 48, Fraction(3, 4) * 2)"
+                      "</python>", [], ended=False)
+    assert (reply.text, reply.done, reply.info) == ("1776 3/2", False, {"calls": 1.0, "call_errors": 0.0})
+    assert tool.step("<python>open('a.txt', 'w').write('kept')\nprint(open('a.txt').read())</python>", [],
+                     ended=False).text == "kept"
+    assert tool.step("<python>1 / 0</python>", [], ended=False).text == "ZeroDivisionError: division by zero"
+    assert tool.step("<python>import sys\nsys.exit(3)</python>", [], ended=False).text == "error: exit status 3"
+    assert tool.step("#### 1776", [], ended=True).done and tool.step("no call", [], ended=False).done
+    assert tool.render("1776") == "<output>1776</output>"
+
+
+def test_a_hostile_call_through_the_environment_pool_leaves_the_pool_working():
+    """As the episodes run it: a step in the bounded pool, an infinite loop inside the sandbox, and the next step."""
+    import functools
+
+    pool = environments.POOL
+    step = functools.partial(environments.run_step, Python)
+    calls = [(Python(LIMIT), f"<python>{code}</python>", [], False) for code in ("while True: pass", "print(6 * 7)")]
+    outcomes = pool.map(step, calls, LIMIT.timeout_s + 2.0)
+    assert all(o.ok for o in outcomes), outcomes
+    assert [o.value[1].text for o in outcomes] == ["error: stopped after 1.2 s", "42"]
 
 
 # -- episodes on a scripted engine -----------------------------------------------------------------------------------
@@ -413,6 +474,6 @@ def test_bad_env_settings_are_one_line_errors(tmp_path, args, fragment):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_registry_knows_the_calculator():
-    assert environments.get("calculator") is Calculator
+def test_the_registry_knows_the_built_in_environments():
+    assert environments.get("calculator") is Calculator and environments.get("python") is Python
     assert Reply() == Reply(text="", reward=0.0, info={}, done=False, role="user")  # a reply that says nothing
