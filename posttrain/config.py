@@ -230,16 +230,16 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
 def check_env(cfg: RunConfig, plugin) -> None:
     """env.name: a registered environment, for the online methods, on an engine that stops a turn at the
-    environment's strings (the HF engine, in the training process)."""
+    environment's strings (HF or vLLM), in the training process."""
     from posttrain import environments
 
     environments.get(cfg.env.name)  # an unknown name fails here, naming the known ones
     if plugin.source != "online":
         raise ConfigError(f"env.name: episodes are sampled by the online methods as they train; {plugin.name} "
                           "samples none, or once")
-    if cfg.rollout.engine != "hf" or cfg.rollout.placement != "colocated":
-        key = "rollout.engine" if cfg.rollout.engine != "hf" else "rollout.placement"
-        raise ConfigError(f"{key}: multi-turn episodes (env.name) run on rollout.engine=hf, colocated, for now")
+    if cfg.rollout.placement != "colocated":
+        raise ConfigError("rollout.placement: multi-turn episodes (env.name) run in the training process "
+                          "(rollout.placement=colocated), for now")
 
 
 def check_normalize(cfg: RunConfig, plugin) -> None:

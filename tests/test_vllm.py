@@ -68,6 +68,27 @@ def test_greedy_tokens_and_logprobs_match_hf(engines):
 
 
 @needs_vllm
+def test_stop_sequences_end_a_turn_where_the_hf_engine_ends_it(engines):
+    """env.name's tool calls: a completion ends after the first whole stop sequence, kept in it, with the HF
+    engine's tokens and log-probs; a sequence's last token without the rest before it does not end it (vLLM is
+    stopped there and continued)."""
+    vllm_engine, hf, tok = engines
+    prompts = ids(tok, PROMPTS)
+    free = hf.generate(prompts, 1, max_new_tokens=16, greedy=True)
+    row = free.response_ids[0, : int(free.mask[0].sum())].tolist()
+    assert len(row) >= 6
+    # row 0's tokens 3-5 end it there; [<unk>, row[1]] never matches, but stops vLLM at row 0's token 1 to be continued
+    stop = [row[3:6], [tok.unk_token_id, row[1]]]
+    want = hf.generate(prompts, 1, max_new_tokens=16, greedy=True, stop=stop)
+    got = vllm_engine.generate(prompts, 1, max_new_tokens=16, greedy=True, stop=stop)
+    assert want.response_ids[0, : int(want.mask[0].sum())].tolist()[-3:] == row[3:6]
+    assert torch.equal(got.mask.sum(1), want.mask.sum(1)) and torch.equal(got.truncated, want.truncated)
+    R = int(want.mask.sum(1).max())
+    assert torch.equal(got.input_ids[:, : got.prompt_len + R], want.input_ids[:, : want.prompt_len + R])
+    torch.testing.assert_close(got.rollout_logp[:, :R], want.rollout_logp[:, :R], atol=1e-4, rtol=0)
+
+
+@needs_vllm
 def test_samples_have_groups_stop_tokens_and_masks(engines):
     vllm_engine, hf, tok = engines
     torch.manual_seed(0)
@@ -196,6 +217,7 @@ def assert_synced_and_close(metrics: list[dict]) -> None:
 
 
 @needs_vllm
+@pytest.mark.slow  # 90 s; test_grpo_tools_runs_its_episodes_on_vllm runs the same engine path (and episodes) in CI
 def test_grpo_on_vllm_syncs_every_step_with_a_small_mismatch(tmp_path):
     """`posttrain run recipe=grpo_math rollout.engine=vllm` as shipped, for 4 steps (after a warm-up of 40 steps,
     not 250: a weaker start, the same path): the engine in use is vLLM, and every step logs the weight sync and a
@@ -207,6 +229,22 @@ def test_grpo_on_vllm_syncs_every_step_with_a_small_mismatch(tmp_path):
     assert json.loads((out / "summary.json").read_text())["rollout_engine"] == "vllm"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4
+    assert_synced_and_close(metrics)
+
+
+@needs_vllm
+def test_grpo_tools_runs_its_episodes_on_vllm(tmp_path):
+    """`posttrain run recipe=grpo_tools rollout.engine=vllm`, 2 steps (after a warm-up of 100 steps, not 400): the
+    episodes are sampled by vLLM turn by turn, the tool is called and answered, the weights sync every step, and
+    the no-drift check holds."""
+    out = tmp_path / "run"
+    proc = run_cli("run", "recipe=grpo_tools", "rollout.engine=vllm", "train.steps=2", "train.batch_size=8",
+                   "eval.num_problems=20", "warmup.steps=100", "env.check_template=true", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollout_engine"] == "vllm" and "env:\n  name: calculator" in (out / "config.yaml").read_text()
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["env/calls"] > 0 and m["env/env_tokens"] > 0 for m in metrics), metrics
     assert_synced_and_close(metrics)
 
 

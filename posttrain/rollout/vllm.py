@@ -70,6 +70,8 @@ class VLLMEngine(RolloutEngine):
         sleeps: whether `release` / `restore` put the engine to sleep (a GPU engine built with sleep mode).
     """
 
+    stops = True
+
     def __init__(self, llm, *, pad_id: int, stop_ids: list[int], sleeps: bool = False):
         self.llm, self.pad_id, self.stop_ids, self.sleeps = llm, pad_id, list(stop_ids), sleeps
         self.dtype = llm.llm_engine.model_config.dtype  # what vLLM computes in; the trainer's tensors are cast to it
@@ -106,41 +108,66 @@ class VLLMEngine(RolloutEngine):
         return cls(llm, pad_id=setup.pad_id, stop_ids=setup.stop_ids, sleeps=on_gpu)
 
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: list[list[int]] | None = None) -> Batch:
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: restore() and load_weights() come before sampling")
+        sizes = counts(n, len(prompts))
+        stop = [list(s) for s in stop or () if s]
+        # A stop sequence cannot be given to vLLM as ids (only single stop tokens, or strings, which need the
+        # tokenizer this engine does without): its last token stops a completion, and one that stopped there
+        # without the whole sequence before it is continued from where it is, which samples what one request would
+        lasts = sorted({s[-1] for s in stop} - set(self.stop_ids))
+        samples = self._sample(prompts, sizes, max_new_tokens, temperature, top_p, greedy, lasts)
+        rows = [p for p, k in zip(prompts, sizes) for _ in range(k)]
+        while lasts:
+            going = [i for i, (ids, _) in enumerate(samples) if len(ids) < max_new_tokens and ids
+                     and ids[-1] in lasts and _end(ids, self.stop_ids, stop) is None]
+            if not going:
+                break
+            more = self._sample([rows[i] + samples[i][0] for i in going], [1] * len(going), 0, temperature, top_p,
+                                greedy, lasts, budgets=[max_new_tokens - len(samples[i][0]) for i in going])
+            for i, (ids, logp) in zip(going, more):
+                samples[i] = (samples[i][0] + ids, samples[i][1] + logp)
+        return self._batch(prompts, sizes, samples, stop)
+
+    def _sample(self, prompts, sizes, max_new_tokens, temperature, top_p, greedy, lasts, budgets=None):
+        """(token ids, log-probs) of each completion, prompt-major; `budgets`: each prompt's own max_new_tokens."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.asleep:
-            raise RuntimeError("the vLLM engine is asleep: restore() and load_weights() come before sampling")
-        common = dict(max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.stop_ids, detokenize=False,
+        budgets = budgets or [max_new_tokens] * len(prompts)
+        common = dict(logprobs=0, stop_token_ids=self.stop_ids + lasts, detokenize=False,
                       ignore_eos=True)  # the stop ids are the whole stopping rule, as in the HF engine
-        sizes = counts(n, len(prompts))
         if greedy:  # vLLM samples greedily one completion per request
-            params = SamplingParams(n=1, temperature=0.0, **common)
+            params = [SamplingParams(n=1, temperature=0.0, max_tokens=b, **common)
+                      for b, k in zip(budgets, sizes) for _ in range(k)]
             requests = [TokensPrompt(prompt_token_ids=p) for p, k in zip(prompts, sizes) for _ in range(k)]
         else:  # one set of parameters per prompt: its own n
-            params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, **common) for k in sizes]
+            params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=b, **common)
+                      for b, k in zip(budgets, sizes)]
             requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        samples = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # prompt-major
-        return self._batch(prompts, sizes, samples)
+        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # prompt-major
+        return [(list(c.token_ids), [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)])
+                for c in completions]
 
-    def _batch(self, prompts: list[list[int]], sizes: list[int], samples) -> Batch:
+    def _batch(self, prompts: list[list[int]], sizes: list[int], samples: list[tuple[list[int], list[float]]],
+               stop: list[list[int]]) -> Batch:
         """The completions as a `Batch`: prompts left-padded, responses right-padded, masks up to the first stop."""
-        pad, stops = self.pad_id, set(self.stop_ids)
+        pad = self.pad_id
         input_ids, attention_mask = left_pad([p for p, k in zip(prompts, sizes) for _ in range(k)], pad)  # [B, P]
-        B, R = len(samples), max(1, max(len(c.token_ids) for c in samples))
+        B, R = len(samples), max(1, max(len(ids) for ids, _ in samples))
         response = torch.full((B, R), pad, dtype=torch.long)  # [B, R]
         mask, logp = torch.zeros(B, R), torch.zeros(B, R)  # [B, R]
         truncated = torch.ones(B, dtype=torch.bool)  # [B]
-        for i, c in enumerate(samples):
-            ids = list(c.token_ids)
-            end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
+        for i, (ids, lp) in enumerate(samples):
+            end = _end(ids, self.stop_ids, stop)
             truncated[i] = end is None
             ids = ids[: end or len(ids)]
             response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[i, : len(ids)] = 1.0
-            logp[i, : len(ids)] = torch.tensor([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
+            logp[i, : len(ids)] = torch.tensor(lp[: len(ids)])
         return Batch(
             input_ids=torch.cat([input_ids, response], 1), attention_mask=torch.cat([attention_mask, mask.long()], 1),
             mask=mask, prompt_len=input_ids.shape[1], group=torch.arange(len(prompts)).repeat_interleave(torch.tensor(sizes)),
@@ -209,3 +236,12 @@ def _kv_bytes(config: dict, seqs: int, max_len: int, dtype: str) -> int:
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     per_token = 2 * text["num_hidden_layers"] * kv_heads * head_dim * (4 if dtype == "float32" else 2)
     return max(64 * 2**20, seqs * max_len * per_token)
+
+
+def _end(ids: list[int], stop_ids: list[int], stop: list[list[int]]) -> int | None:
+    """The length of a completion up to and with its first stop token or stop sequence; None: neither is in it."""
+    stops = set(stop_ids)
+    for t, token in enumerate(ids):
+        if token in stops or any(ids[max(0, t + 1 - len(s)): t + 1] == s for s in stop):
+            return t + 1
+    return None

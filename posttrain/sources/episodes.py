@@ -65,7 +65,7 @@ class Episodes:
                  stop_ids: list[int], pool: BoundedPool | None = None):
         if not engine.stops:
             raise ConfigError(f"env.name: the {engine.name} engine cannot stop a turn at the environment's strings "
-                              "(multi-turn rollouts run on rollout.engine=hf)")
+                              "(multi-turn rollouts run on rollout.engine=hf or vllm)")
         self.engine, self.env_cls, self.settings = engine, env_cls, settings
         self.tokenizer, self.data, self.pad_id, self.stop_ids = tokenizer, data, pad_id, list(stop_ids)
         self.chat = uses_chat(tokenizer, data)
