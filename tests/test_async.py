@@ -168,9 +168,11 @@ def test_staleness_1_runs_a_version_ahead_and_never_more(ahead):
     assert all("mismatch/tis_capped" in m for m in metrics(out))
 
 
-# A batch sampled ahead (request 5) is the case of step:3 too, and a checkpoint write killed midway that of
-# tests/test_resume.py: those two under -m slow.
-@pytest.mark.parametrize("crash", [pytest.param("request:5", marks=pytest.mark.slow), "push:3", "step:3",
+# A batch sampled ahead (request 5) is the case of step:3 too, a checkpoint write killed midway that of
+# tests/test_resume.py, and a kill during a weight push resumes from the same checkpoint as step:3: those three
+# under -m slow.
+@pytest.mark.parametrize("crash", [pytest.param("request:5", marks=pytest.mark.slow),
+                                   pytest.param("push:3", marks=pytest.mark.slow), "step:3",
                                    pytest.param("checkpoint:4", marks=pytest.mark.slow)])
 def test_killed_at_staleness_1_trains_every_prompt_exactly_once(warm_model_dir, ahead, tmp_path, crash):
     """kill -9 of the training process while a batch is sampled ahead (request 5: step 4's batch, during step 3),

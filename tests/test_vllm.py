@@ -234,12 +234,12 @@ def test_grpo_on_vllm_syncs_every_step_with_a_small_mismatch(tmp_path):
 
 @needs_vllm
 def test_grpo_tools_runs_its_episodes_on_vllm(tmp_path):
-    """`posttrain run recipe=grpo_tools rollout.engine=vllm`, 2 steps (after a warm-up of 100 steps, not 400): the
+    """`posttrain run recipe=grpo_tools rollout.engine=vllm`, 2 steps (after a warm-up of 60 steps, not 400): the
     episodes are sampled by vLLM turn by turn, the tool is called and answered, the weights sync every step, and
     the no-drift check holds."""
     out = tmp_path / "run"
-    proc = run_cli("run", "recipe=grpo_tools", "rollout.engine=vllm", "train.steps=2", "train.batch_size=8",
-                   "eval.num_problems=20", "warmup.steps=100", "env.check_template=true", f"output_dir={out}")
+    proc = run_cli("run", "recipe=grpo_tools", "rollout.engine=vllm", "train.steps=2", "train.batch_size=4",
+                   "eval.num_problems=8", "warmup.steps=60", "env.check_template=true", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and "env:\n  name: calculator" in (out / "config.yaml").read_text()
@@ -287,10 +287,12 @@ def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path, backend):
 def test_separate_workers_on_vllm_take_weight_pushes(tmp_path):
     """`rollout.placement=separate` with `rollout.engine=vllm`: a worker process runs vLLM on its own copy of the
     weights and takes a numbered version after every update (bucketed over its gloo group) while the next batch is
-    sampled one version ahead. Asserted first: the worker really ran vLLM, in another process."""
+    sampled one version ahead (after a warm-up of 40 steps, not 250). Asserted first: the worker really ran vLLM,
+    in another process."""
     out = tmp_path / "run"
     proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", "rollout.placement=separate",
-                   "rollout.max_staleness=1", "train.steps=8", "eval.num_problems=20", f"output_dir={out}")
+                   "rollout.max_staleness=1", "train.steps=8", "eval.num_problems=20", "warmup.steps=40",
+                   f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and summary["placement"] == "separate"

@@ -118,25 +118,26 @@ class VLLMEngine(RolloutEngine):
         # tokenizer this engine does without): its last token stops a completion, and one that stopped there
         # without the whole sequence before it is continued from where it is, which samples what one request would
         lasts = sorted({s[-1] for s in stop} - set(self.stop_ids))
-        samples = self._sample(prompts, sizes, max_new_tokens, temperature, top_p, greedy, lasts)
+        samples = self._sample(prompts, sizes, [max_new_tokens] * len(prompts), temperature, top_p, greedy, lasts)
         rows = [p for p, k in zip(prompts, sizes) for _ in range(k)]
         while lasts:
             going = [i for i, (ids, _) in enumerate(samples) if len(ids) < max_new_tokens and ids
                      and ids[-1] in lasts and _end(ids, self.stop_ids, stop) is None]
             if not going:
                 break
-            more = self._sample([rows[i] + samples[i][0] for i in going], [1] * len(going), 0, temperature, top_p,
-                                greedy, lasts, budgets=[max_new_tokens - len(samples[i][0]) for i in going])
+            more = self._sample([rows[i] + samples[i][0] for i in going], [1] * len(going),
+                                [max_new_tokens - len(samples[i][0]) for i in going], temperature, top_p, greedy, lasts)
             for i, (ids, logp) in zip(going, more):
                 samples[i] = (samples[i][0] + ids, samples[i][1] + logp)
         return self._batch(prompts, sizes, samples, stop)
 
-    def _sample(self, prompts, sizes, max_new_tokens, temperature, top_p, greedy, lasts, budgets=None):
-        """(token ids, log-probs) of each completion, prompt-major; `budgets`: each prompt's own max_new_tokens."""
+    def _sample(self, prompts: list[list[int]], sizes: list[int], budgets: list[int], temperature: float,
+                top_p: float, greedy: bool, lasts: list[int]) -> list[tuple[list[int], list[float]]]:
+        """(token ids, log-probs) of each completion, prompt-major; `budgets`: each prompt's max_new_tokens; `lasts`:
+        tokens that stop a completion besides the stop ids."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        budgets = budgets or [max_new_tokens] * len(prompts)
         common = dict(logprobs=0, stop_token_ids=self.stop_ids + lasts, detokenize=False,
                       ignore_eos=True)  # the stop ids are the whole stopping rule, as in the HF engine
         if greedy:  # vLLM samples greedily one completion per request
