@@ -78,11 +78,11 @@ class WarmupConfig(Freezable):
     precision: str = "auto"
     """train.precision of the warm-up run (auto: bf16-mixed where the hardware computes bf16, else fp32 or, on a GPU
     without bf16, fp16-mixed); fp32 weights are saved either way."""
+    cache_dir: str | None = None
+    """Where warmed-up models are kept and reused; null: $POSTTRAIN_CACHE or ~/.cache/posttrain."""
 
     def __post_init__(self):
         check_precision(self.precision)
-    cache_dir: str | None = None
-    """Where warmed-up models are kept and reused; null: $POSTTRAIN_CACHE or ~/.cache/posttrain."""
 
 
 # The layouts `data.preset` names: the fields that hold the question, target response and reference answer, how
