@@ -4,9 +4,19 @@ An environment answers each model turn (a tool's result, a game's next move) unt
 trajectory is one token sequence whose environment tokens get a gradient coefficient of exactly 0.
 """
 
-from posttrain.environments.base import ENVIRONMENTS, POOL, Environment, Reply, get, register, run_step
+from posttrain.environments.base import (
+    ENVIRONMENTS,
+    POOL,
+    Environment,
+    FileClass,
+    Reply,
+    get,
+    register,
+    run_step,
+    step_function,
+)
 
-__all__ = ["ENVIRONMENTS", "POOL", "Environment", "Reply", "get", "register", "run_step"]
+__all__ = ["ENVIRONMENTS", "POOL", "Environment", "FileClass", "Reply", "get", "register", "run_step", "step_function"]
 
 # The built-in environments register themselves on import.
 from posttrain.environments import calculator, python  # noqa: E402,F401

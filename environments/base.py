@@ -14,9 +14,13 @@ to the worker and comes back with the reply.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from posttrain.core.bounded import BoundedPool
+from posttrain.core.errors import ConfigError
+from posttrain.core.files import import_file
 from posttrain.core.registry import Registry
 
 
@@ -64,14 +68,71 @@ ENVIRONMENTS = Registry("environment", "env.name")  # name -> Environment subcla
 POOL = BoundedPool()  # every environment step runs here; its workers start on the first step and persist
 
 
-register, get = ENVIRONMENTS.register, ENVIRONMENTS.find
+register = ENVIRONMENTS.register
+PREFIX = "posttrain_custom_env"  # the module name of an environment's file: PREFIX_<hash of its path>
 
 
-def run_step(env_cls: type[Environment], item: tuple) -> tuple[Environment, Reply]:
+@dataclass(frozen=True)
+class FileClass:
+    """An environment class in a local file, as it travels to a pool worker: the file's path and the class's name.
+    Unpickled, it imports the file (so the environments that follow it, instances of the class, unpickle too)."""
+
+    path: str
+    name: str
+
+    def load(self) -> type[Environment]:
+        return getattr(import_file(self.path, PREFIX), self.name)
+
+    def __reduce__(self):
+        return _arrive, (self.path, self.name)
+
+
+def _arrive(path: str, name: str) -> FileClass:
+    ref = FileClass(path, name)
+    ref.load()
+    return ref
+
+
+def get(name: str) -> type[Environment]:
+    """The environment `env.name` names: a registered name, or `path/to/file.py:Class`, a subclass of Environment in
+    a local Python file (imported now, and in each pool worker before its first step).
+
+    Raises:
+        ConfigError: naming env.name, for an unknown name, a missing file, one that fails to import, or no
+            Environment of that name in it.
+    """
+    if ":" not in str(name):
+        return ENVIRONMENTS.find(name)
+    path, _, cls_name = str(name).rpartition(":")
+    file = Path(path).expanduser().resolve()
+    if not path or not cls_name.isidentifier():
+        raise ConfigError(f"env.name: expected a registered name or path/to/file.py:Class (got {name!r})")
+    if not file.is_file():
+        raise ConfigError(f"env.name: no such file '{file}'")
+    try:
+        cls = getattr(import_file(str(file), PREFIX), cls_name, None)
+    except (Exception, SystemExit) as err:
+        why = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(f"env.name: importing '{file}' failed ({type(err).__name__}: {why})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ConfigError(f"env.name: '{file}' defines no subclass of posttrain.environments.Environment named "
+                          f"{cls_name!r}")
+    cls.__posttrain_file__ = FileClass(str(file), cls_name)
+    return cls
+
+
+def step_function(env_cls: type[Environment]) -> functools.partial:
+    """`run_step` for the environments of `env_cls`, as the pool takes it: with the class itself (pickled by its
+    module's name) or, for a class from a file, its `FileClass`."""
+    source = env_cls.__dict__.get("__posttrain_file__")
+    return functools.partial(run_step, source if isinstance(source, FileClass) else env_cls)
+
+
+def run_step(env_cls: type[Environment] | FileClass, item: tuple) -> tuple[Environment, Reply]:
     """One step in a pool worker: (environment, text, ids, ended) -> (environment, reply). The environment comes
-    back with the reply, so what it keeps carries to the episode's next turn. Called as
-    `functools.partial(run_step, env_cls)`, so that a worker imports the environment's module when it loads the
-    function, before any step's time-out runs."""
+    back with the reply, so what it keeps carries to the episode's next turn. Called through `step_function`, so
+    that a worker imports the environment's module (or file) when it loads the function, before any step's
+    time-out runs."""
     env, text, ids, ended = item
-    assert isinstance(env, env_cls)
+    assert isinstance(env, env_cls.load() if isinstance(env_cls, FileClass) else env_cls)
     return env, env.step(text, ids, ended)

@@ -579,7 +579,8 @@ class EnvConfig(Freezable):
     """The `env` group: multi-turn rollouts in an environment (environments/, docs/environments.md)."""
 
     name: str | None = None
-    """The environment each episode runs in (a registered name: calculator, python); null: one completion per prompt."""
+    """The environment each episode runs in: a registered name (calculator, python) or path/to/file.py:Class (an
+    Environment subclass in a local file); null: one completion per prompt."""
     max_turns: int = 4
     """The most model turns an episode takes; the last one ends it whatever the environment says."""
     max_turn_tokens: int | None = None

@@ -11,15 +11,12 @@ In metrics it is `reward/<file stem>.<function>`, e.g. `reward/my_rewards.brevit
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import sys
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 from posttrain.core.errors import ConfigError
+from posttrain.core.files import import_file
 
 
 @dataclass(frozen=True)
@@ -46,21 +43,8 @@ class FileFunction:
         return self.function()(*args, **kwargs)
 
 
-@cache
 def _module(path: str) -> ModuleType:
-    """The file at `path` imported as a module of its own name (a failed import is not cached)."""
-    name = f"posttrain_custom_reward_{hashlib.sha256(path.encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"not a Python source file: {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickle find a module's classes through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    return import_file(path, "posttrain_custom_reward")
 
 
 def load(entry: str) -> FileFunction:

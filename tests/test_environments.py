@@ -232,6 +232,66 @@ def test_budgets_truncate_and_the_last_turn_ends_the_episode(tokenizer):
     assert batch.truncated.tolist() == [True] and batch.response_ids.shape[1] == len(call)
 
 
+GUESS = """
+from posttrain.environments import Environment, Reply
+
+
+class Guess(Environment):
+    \"\"\"The model guesses a number in <guess>N</guess>; the reply says higher or lower; 1.0 for the right one.\"\"\"
+
+    stop = ("</guess>",)
+
+    def reset(self, row):
+        self.target = int(row["answer"])
+
+    def step(self, text, ids, ended):
+        if ended or "<guess>" not in text:  # the model closed its answer
+            return Reply(done=True)
+        guess = text.rsplit("<guess>", 1)[1].removesuffix("</guess>").strip()
+        if not guess.lstrip("-").isdigit():
+            return Reply(text="not a number")
+        if int(guess) == self.target:
+            return Reply(text="right", reward=1.0, done=True)
+        return Reply(text="higher" if int(guess) < self.target else "lower")
+"""
+
+
+def test_an_environment_from_a_file_runs_its_steps_in_the_pool(tokenizer, tmp_path):
+    """docs/environments.md's example, as `env.name=my_env.py:Guess`: its class travels to the pool's workers as a
+    reference to the file, which each imports, and what an instance keeps (its target) carries between turns."""
+    (tmp_path / "my_env.py").write_text(GUESS)
+    name = f"{tmp_path / 'my_env.py'}:Guess"
+    cls = environments.get(name)
+    assert cls.__module__.startswith("posttrain_custom_env_") and issubclass(cls, environments.Environment)
+    eos = tokenizer.eos_token_id
+    script = [[ids(tokenizer, "<guess>5</guess>")], [ids(tokenizer, "<guess>9</guess>")],
+              [ids(tokenizer, "<guess>7</guess>")]]
+    engine = Scripted(tokenizer, script)
+    ep = Episodes(engine, cls, EnvConfig(name=name, max_turns=4), tokenizer, DataConfig(),
+                  pad_id=tokenizer.pad_token_id, stop_ids=[eos])
+    batch, metrics = ep.generate([{"question": "?", "answer": "7"}], [ids(tokenizer, "Q\n")], 1, max_new_tokens=60)
+    text = tokenizer.decode(batch.response_ids[0][batch.attention_mask[0, batch.prompt_len:].bool()])
+    assert text == "<guess>5</guess>higher<guess>9</guess>lower<guess>7</guess>"
+    assert metrics["env/reward"] == 1.0 and metrics["env/errors"] == 0.0 and metrics["env/turns"] == 3.0
+    assert batch.extra["env_reward"].tolist() == [1.0] and batch.truncated.tolist() == [False]
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("{dir}/none.py:Guess", "env.name: no such file"),
+    ("{dir}/broken.py:Guess", "env.name: importing '{dir}/broken.py' failed (SyntaxError"),
+    ("{dir}/my_env.py:Nope", "defines no subclass of posttrain.environments.Environment named 'Nope'"),
+    ("{dir}/my_env.py:Reply", "named 'Reply'"),
+    ("{dir}/my_env.py:not-a-class", "expected a registered name or path/to/file.py:Class"),
+])
+def test_a_bad_environment_file_is_a_one_line_error(tmp_path, entry, fragment):
+    (tmp_path / "my_env.py").write_text(GUESS)
+    (tmp_path / "broken.py").write_text("def broken(:\n")
+    entry, fragment = entry.format(dir=tmp_path), fragment.format(dir=tmp_path)
+    assert_one_line_error(posttrain_here("run", "recipe=grpo_math", f"env.name={entry}",
+                                         f"output_dir={tmp_path / 'out'}"), fragment)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_environment_that_raises_or_hangs_is_an_observation(tokenizer):
     eos = tokenizer.eos_token_id
     engine = Scripted(tokenizer, [[ids(tokenizer, "<calc>1</calc>"), ids(tokenizer, "hang</calc>")],

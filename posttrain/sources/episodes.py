@@ -20,7 +20,6 @@ differently from how it was sampled (drift), or a tokenisation that merges acros
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +109,7 @@ class Episodes:
         """The environment's replies to the turns in `asked`, appended to their episodes (those that go on)."""
         if not asked:
             return
-        outcomes = self.pool.map(functools.partial(environments.run_step, self.env_cls), [(e.env, text, ids, ended) for e, text, ids, ended in asked],
+        outcomes = self.pool.map(environments.step_function(self.env_cls), [(e.env, text, ids, ended) for e, text, ids, ended in asked],
                                  self.settings.timeout_s)
         for (e, text, ids, ended), outcome in zip(asked, outcomes):
             if outcome.ok:
