@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from posttrain.core.bounded import BoundedPool
 from posttrain.core.errors import ConfigError
-from posttrain.core.files import import_file
+from posttrain.core.files import import_file, load_entry
 from posttrain.core.registry import Registry
 
 
@@ -103,21 +102,12 @@ def get(name: str) -> type[Environment]:
     """
     if ":" not in str(name):
         return ENVIRONMENTS.find(name)
-    path, _, cls_name = str(name).rpartition(":")
-    file = Path(path).expanduser().resolve()
-    if not path or not cls_name.isidentifier():
-        raise ConfigError(f"env.name: expected a registered name or path/to/file.py:Class (got {name!r})")
-    if not file.is_file():
-        raise ConfigError(f"env.name: no such file '{file}'")
-    try:
-        cls = getattr(import_file(str(file), PREFIX), cls_name, None)
-    except (Exception, SystemExit) as err:
-        why = (str(err).strip().splitlines() or [""])[0]
-        raise ConfigError(f"env.name: importing '{file}' failed ({type(err).__name__}: {why})") from None
+    file, cls_name, cls = load_entry(name, "env.name", PREFIX, "a registered name or path/to/file.py:Class "
+                                     f"(got {name!r})")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"env.name: '{file}' defines no subclass of posttrain.environments.Environment named "
                           f"{cls_name!r}")
-    cls.__posttrain_file__ = FileClass(str(file), cls_name)
+    cls.__posttrain_file__ = FileClass(file, cls_name)
     return cls
 
 

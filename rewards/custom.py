@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 from posttrain.core.errors import ConfigError
-from posttrain.core.files import import_file
+from posttrain.core.files import import_file, load_entry
+
+PREFIX = "posttrain_custom_reward"  # the module name of a reward's file: PREFIX_<hash of its path>
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class FileFunction:
         return f"{Path(self.path).stem}.{self.name}"
 
     def function(self):
-        return getattr(_module(self.path), self.name)
+        return getattr(import_file(self.path, PREFIX), self.name)
 
     def warm(self, **context) -> None:
         """Imports the file (a reward worker calls this as it starts, outside the bound on each call)."""
@@ -41,10 +42,6 @@ class FileFunction:
 
     def __call__(self, *args, **kwargs):
         return self.function()(*args, **kwargs)
-
-
-def _module(path: str) -> ModuleType:
-    return import_file(path, "posttrain_custom_reward")
 
 
 def load(entry: str) -> FileFunction:
@@ -55,17 +52,7 @@ def load(entry: str) -> FileFunction:
             fails to import, or it has no function of that name.
     """
     key = f"rewards.custom.{entry}"
-    path, colon, name = str(entry).rpartition(":")
-    if not colon or not path or not name.isidentifier():
-        raise ConfigError(f"{key}: expected path/to/file.py:function")
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise ConfigError(f"{key}: no such file '{file}'")
-    try:
-        module = _module(str(file))
-    except (Exception, SystemExit) as err:
-        why = (str(err).strip().splitlines() or [""])[0]
-        raise ConfigError(f"{key}: importing '{file}' failed ({type(err).__name__}: {why})") from None
-    if not callable(getattr(module, name, None)):
+    file, name, function = load_entry(entry, key, PREFIX, "path/to/file.py:function")
+    if not callable(function):
         raise ConfigError(f"{key}: '{file}' defines no function {name!r}")
-    return FileFunction(str(file), name)
+    return FileFunction(file, name)

@@ -35,6 +35,7 @@ class Zygote:
 
     instance: Zygote | None = None
     broken = False
+    served = 0  # commands forked, over the session (a test that means to fork checks that it did)
 
     def __init__(self):
         self.env = dict(os.environ)
@@ -75,6 +76,7 @@ class Zygote:
             if not answer:
                 raise RuntimeError(f"tests/zygote.py ended (status {self.proc.wait()}) while running {args}")
             code = json.loads(answer)["returncode"]
+            Zygote.served += 1
             text = (out.read_text(errors="replace"), err.read_text(errors="replace"))
         return subprocess.CompletedProcess([sys.executable, "-m", "posttrain", *args], code, *text)
 

@@ -30,8 +30,9 @@ def test_recipes_and_help():
 def test_a_forked_command_is_the_fresh_interpreters(tiny_model_dir, tmp_path):
     """`posttrain()` forks its commands from tests/zygote.py: a run there writes what a new interpreter writes."""
     args = ["run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.steps=2", "train.threads=1", *FAST]
+    served = Zygote.served
     forked = posttrain(*args, "output_dir=out_a", cwd=tmp_path)
-    assert Zygote.instance is not None and Zygote.instance.proc.poll() is None  # it did fork
+    assert Zygote.served == served + 1  # it did fork, not fall back to an interpreter
     fresh = posttrain_fresh(*args, "output_dir=out_b", cwd=tmp_path)
     assert forked.returncode == fresh.returncode == 0, forked.stderr
     def lines(text: str) -> list[str]:  # but the time of "done in" and of DeepSpeed's log lines
@@ -42,6 +43,7 @@ def test_a_forked_command_is_the_fresh_interpreters(tiny_model_dir, tmp_path):
         assert (tmp_path / "out_a" / name).read_bytes().replace(b"out_a", b"out_b") == (
             tmp_path / "out_b" / name).read_bytes()
     failed = posttrain("run", "recipe=grpo_math", "train.steps=-1", cwd=tmp_path)
+    assert Zygote.served == served + 2
     assert (failed.returncode, failed.stderr) == (2, posttrain_fresh("run", "recipe=grpo_math", "train.steps=-1",
                                                                     cwd=tmp_path).stderr) and "train.steps" in failed.stderr
 

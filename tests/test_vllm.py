@@ -217,7 +217,9 @@ def assert_synced_and_close(metrics: list[dict]) -> None:
 
 
 @needs_vllm
-@pytest.mark.slow  # 90 s; test_grpo_tools_runs_its_episodes_on_vllm runs the same engine path (and episodes) in CI
+# 90 s (AVX2 kernels on an AVX-512 with AMX machine); test_grpo_tools_runs_its_episodes_on_vllm runs the same
+# engine path, with episodes, in CI
+@pytest.mark.slow
 def test_grpo_on_vllm_syncs_every_step_with_a_small_mismatch(tmp_path):
     """`posttrain run recipe=grpo_math rollout.engine=vllm` as shipped, for 4 steps (after a warm-up of 40 steps,
     not 250: a weaker start, the same path): the engine in use is vLLM, and every step logs the weight sync and a

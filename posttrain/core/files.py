@@ -6,7 +6,10 @@ import hashlib
 import importlib.util
 import sys
 from functools import cache
+from pathlib import Path
 from types import ModuleType
+
+from posttrain.core.errors import ConfigError
 
 
 @cache
@@ -26,3 +29,21 @@ def import_file(path: str, prefix: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def load_entry(entry: str, key: str, prefix: str, expected: str) -> tuple[str, str, object]:
+    """(absolute path, name, the module's attribute of that name or None) for `entry` ("path/to/file.py:name"), the
+    file imported now. ConfigError naming `key`: an entry not of that form (`expected` says what is), a missing
+    file, or one that fails to import."""
+    path, colon, name = str(entry).rpartition(":")
+    if not colon or not path or not name.isidentifier():
+        raise ConfigError(f"{key}: expected {expected}")
+    file = Path(path).expanduser().resolve()
+    if not file.is_file():
+        raise ConfigError(f"{key}: no such file '{file}'")
+    try:
+        module = import_file(str(file), prefix)
+    except (Exception, SystemExit) as err:
+        why = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{key}: importing '{file}' failed ({type(err).__name__}: {why})") from None
+    return str(file), name, getattr(module, name, None)
