@@ -11,6 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Read when used, never at import, so a forked command sees them as a new interpreter would. The last two appear in
+# this process on their own: importing DeepSpeed sets the first, torch.compile's cache the second.
+READ_WHEN_USED = ("COLUMNS", "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+
 
 def posttrain(*args, cwd=None) -> subprocess.CompletedProcess:
     """`python -m posttrain *args`, output captured, at 120 columns so progress lines are not cut differently per
@@ -20,6 +24,7 @@ def posttrain(*args, cwd=None) -> subprocess.CompletedProcess:
     args = [str(a) for a in args]
     zygote = Zygote.get(env)
     if zygote is None:
+        Zygote.fresh += 1
         return posttrain_fresh(*args, cwd=cwd)
     return zygote.run(args, str(cwd or os.getcwd()), env)
 
@@ -36,6 +41,8 @@ class Zygote:
     instance: Zygote | None = None
     broken = False
     served = 0  # commands forked, over the session (a test that means to fork checks that it did)
+    fresh = 0  # `posttrain()` calls that started an interpreter instead
+    differed: set[str] = set()  # the variables whose values made it so (the session's summary names them)
 
     def __init__(self):
         self.env = dict(os.environ)
@@ -57,14 +64,17 @@ class Zygote:
                 cls.broken = True
                 print(f"posttrain(): every call starts an interpreter ({err})", file=sys.stderr)
                 return None
-        return cls.instance if cls.instance.serves(env) else None
+        differ = cls.instance.differ(env)
+        cls.differed |= differ
+        return None if differ else cls.instance
 
-    def serves(self, env: dict) -> bool:
-        """Whether `env` is the one this process started with, but for variables posttrain reads at run time."""
-        def kept(e: dict) -> dict:
-            return {k: v for k, v in e.items() if k != "COLUMNS" and not k.startswith(("POSTTRAIN_", "PYTEST_"))}
+    def differ(self, env: dict) -> set[str]:
+        """The variables whose values in `env` are not the ones this process started with, but for those posttrain
+        reads at run time (a command forked under any other would miss what was read at import)."""
+        def kept(e: dict) -> set:
+            return {(k, v) for k, v in e.items() if k not in READ_WHEN_USED and not k.startswith(("POSTTRAIN_", "PYTEST_"))}
 
-        return kept(env) == kept(self.env)
+        return {k for k, _ in kept(env) ^ kept(self.env)}
 
     def run(self, args: list[str], cwd: str, env: dict) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,34 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.apps.cli import prepare_process
+
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# What every command sets in its own process, set here once, before any test: a test that runs the CLI in this
+# process (`posttrain_here`) would otherwise set it midway, and `posttrain()` could no longer fork its commands
+# (tests/cli_helpers.py forks only under the environment its zygote started with).
+prepare_process()
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """A test's changes to os.environ (its own, or those of code it runs in this process) end with it."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the session's `posttrain()` commands ran: forked, or in new interpreters and why."""
+    from cli_helpers import Zygote
+
+    if Zygote.served or Zygote.fresh:
+        why = f" (the environment differed in {', '.join(sorted(Zygote.differed))})" if Zygote.differed else ""
+        terminalreporter.write_line(f"posttrain(): {Zygote.served} commands forked, {Zygote.fresh} in a new "
+                                    f"interpreter{why}")
 
 
 @pytest.fixture(scope="session", autouse=True)

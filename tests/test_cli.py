@@ -32,7 +32,7 @@ def test_a_forked_command_is_the_fresh_interpreters(tiny_model_dir, tmp_path):
     args = ["run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.steps=2", "train.threads=1", *FAST]
     served = Zygote.served
     forked = posttrain(*args, "output_dir=out_a", cwd=tmp_path)
-    assert Zygote.served == served + 1  # it did fork, not fall back to an interpreter
+    assert Zygote.served == served + 1, Zygote.differed  # it did fork, not fall back to an interpreter
     fresh = posttrain_fresh(*args, "output_dir=out_b", cwd=tmp_path)
     assert forked.returncode == fresh.returncode == 0, forked.stderr
     def lines(text: str) -> list[str]:  # but the time of "done in" and of DeepSpeed's log lines
