@@ -20,8 +20,9 @@ which is `GRPO.coefficient` itself, given a [B, R] advantage: only `prepare` (an
 (`token_advantage`) differ.
 
 Step rewards come from `rewards.process` through the judge (`Judge.score_steps`): `steps`, the embedded task's rule
-(rewards/steps.py), or `model`, a process reward model (rewards/process_model.py). The online source puts them on the
-sampled tokens as `batch.extra["step_reward"]` (each step's reward at its end token) and `["step_end"]` (1.0 there).
+(rewards/steps.py), or `model`, a process reward model (rewards/process_model.py); or, `turns`, from an episode's
+environment, each model turn a step (posttrain/sources/episodes.py). The online source puts them on the sampled
+tokens as `batch.extra["step_reward"]` (each step's reward at its end token) and `["step_end"]` (1.0 there).
 
 Deviations from the paper, and choices where it is silent:
     1. The normalisation is GRPO's (`adv_norm`, `eps`; algorithms/common.py `group_advantages`) over each group's step

@@ -76,7 +76,10 @@ def _type_name(tp) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Checks `value` against the annotation `tp` (int, float, bool, str, optional, list, dict[str, float])."""
+    """Checks `value` against the annotation `tp` (int, float, bool, str, optional, list, dict[str, float], Any: a
+    value a plugin of its own checks, such as a reasoning-gym task's options)."""
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -229,17 +232,17 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
 
 
 def check_env(cfg: RunConfig, plugin) -> None:
-    """env.name: a registered environment, for the online methods, on an engine that stops a turn at the
-    environment's strings (HF or vLLM), in the training process."""
+    """env.name: a registered environment, for the online methods; per-turn rewards come from its turns, not from a
+    completion's lines."""
     from posttrain import environments
 
     environments.get(cfg.env.name)  # an unknown name fails here, naming the known ones
     if plugin.source != "online":
         raise ConfigError(f"env.name: episodes are sampled by the online methods as they train; {plugin.name} "
                           "samples none, or once")
-    if cfg.rollout.placement != "colocated":
-        raise ConfigError("rollout.placement: multi-turn episodes (env.name) run in the training process "
-                          "(rollout.placement=colocated), for now")
+    if cfg.rewards.process in ("steps", "model"):
+        raise ConfigError(f"rewards.process: {cfg.rewards.process} reads the steps of one completion's text; an "
+                          "episode's steps are its turns (rewards.process=turns)")
 
 
 def check_normalize(cfg: RunConfig, plugin) -> None:

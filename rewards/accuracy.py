@@ -1,8 +1,10 @@
 """The accuracy reward: 1.0 when a completion's final answer equals the reference's, checked the data's way.
 
 `data.answer_format` picks the check. `math` hands it to `posttrain.rewards.math_answer` (math-verify on `\\boxed{}`,
-LaTeX or plain answers, each check bounded in time; one that fails or runs out scores None: 0, and counted). `number`,
-for maths word problems (GSM8K, Cobbe et al. 2021, arXiv:2110.14168), is the rule below.
+LaTeX or plain answers, each check bounded in time; one that fails or runs out scores None: 0, and counted).
+`reasoning_gym` hands it to `posttrain.rewards.gym_answer`, the task's own scorer, whose partial credit the reward
+keeps (a verdict is a score of 1). `number`, for maths word problems (GSM8K, Cobbe et al. 2021, arXiv:2110.14168), is
+the rule below.
 
 Number rule: 1.0 if the completion's final numeric answer equals the reference's, else 0.0. The final answer is the number
 right after the last `####` marker (GSM8K's own format); a completion without a marker falls back to its last number.
@@ -68,6 +70,10 @@ def reference_problem(reference: str, answer_format: str = "number") -> str | No
     """
     if answer_format == "number" and extract_answer(reference) is None:
         return "holds no number to compare answers with"
+    if answer_format == "reasoning_gym":
+        from posttrain.rewards import gym_answer
+
+        return gym_answer.reference_problem(reference)
     return None
 
 
@@ -90,6 +96,10 @@ def verdicts(completions: Sequence[str], answers: Sequence[str], answer_format: 
         from posttrain.rewards import math_answer
 
         return math_answer.verdicts(completions, answers)
+    if answer_format == "reasoning_gym":
+        from posttrain.rewards import gym_answer
+
+        return gym_answer.verdicts(completions, answers)
     return [is_correct(c, a) for c, a in zip(completions, answers, strict=True)]
 
 
@@ -99,22 +109,32 @@ def final_answers(completions: Sequence[str], answer_format: str = "number") -> 
         from posttrain.rewards import math_answer
 
         return math_answer.final_answers(completions)
+    if answer_format == "reasoning_gym":
+        from posttrain.rewards import gym_answer
+
+        return gym_answer.final_answers(completions)
     return [extract_answer(c) for c in completions]
 
 
 @register("accuracy")
 def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] = (), *,
              answer_format: str = "number") -> list[float | None]:
-    """1.0 per completion whose final answer equals its reference, else 0.0 (None: the check failed); the prompts
-    are not needed."""
+    """1.0 per completion whose final answer equals its reference, else 0.0 (None: the check failed); a reasoning-gym
+    task's own score in [0, 1]. The prompts are not needed."""
+    if answer_format == "reasoning_gym":
+        from posttrain.rewards import gym_answer
+
+        return gym_answer.scores(completions, answers)
     return [None if v is None else float(v) for v in verdicts(completions, answers, answer_format)]
 
 
 def _warm(answer_format: str = "number") -> None:
-    """Imports math-verify for the math format: a reward worker calls this as it starts, so that sympy's import (a
-    second or two) counts against no check's bound (`posttrain.rewards.base`)."""
+    """Imports math-verify for the math format, reasoning-gym for its own: a reward worker calls this as it starts, so
+    that the import (a second or two) counts against no check's bound (`posttrain.rewards.base`)."""
     if answer_format == "math":
         from posttrain.rewards import math_answer  # noqa: F401
+    if answer_format == "reasoning_gym":
+        import reasoning_gym  # noqa: F401
 
 
 accuracy.warm = _warm

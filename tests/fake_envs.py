@@ -3,7 +3,7 @@ heavy as torch) before it runs their steps."""
 
 import time
 
-from posttrain.environments import Environment
+from posttrain.environments import Environment, Reply
 
 
 class Faulty(Environment):
@@ -15,3 +15,15 @@ class Faulty(Environment):
         if "hang" in text:
             time.sleep(60)
         raise RuntimeError("the tool broke")
+
+
+class Metered(Environment):
+    """Rewards each tool call with a tenth of its text's length and the closing turn with 0.5: per-turn rewards
+    whose placement on the tokens a test can check."""
+
+    stop = ("</calc>",)
+
+    def step(self, text, ids, ended):
+        if ended:
+            return Reply(reward=0.5, done=True)
+        return Reply(text="ok", reward=len(text) / 10)

@@ -320,6 +320,37 @@ def test_a_checkpoint_holds_every_batch_the_producer_may_make():
         producer.join()
 
 
+def test_episodes_through_a_worker_are_the_colocated_episodes(tmp_path):
+    """Multi-turn episodes sample turn by turn through a rollout worker (each turn a request that stops at the tool
+    call's end): at max_staleness 0 the run ends with the colocated run's bytes, tool calls and replies included."""
+    args = ["recipe=grpo_tools", "warmup.steps=60", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
+            "eval.num_problems=4", "eval.batch_size=4", "data.train_size=50", "data.test_size=10", "train.threads=1",
+            "env.check_template=true", "-q"]
+    for name, extra in (("colocated", []), ("separate", SEPARATE)):
+        proc = posttrain("run", *args, *extra, f"output_dir={tmp_path / name}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_separate(tmp_path / "separate")
+    steps = metrics(tmp_path / "separate")
+    assert any(m["env/turns"] > 1 for m in steps) and all(m["env/errors"] == 0 for m in steps)  # the tool answered
+    same = ("reward", "env/turns", "env/env_tokens", "env/calls", "loss")
+    assert [[m[k] for k in same] for m in steps] == [[m[k] for k in same] for m in metrics(tmp_path / "colocated")]
+    assert weights(tmp_path / "separate") == weights(tmp_path / "colocated")
+
+
+def test_episodes_through_workers_shared_by_several_processes_are_refused():
+    """Each training process would take its episodes' turns through the shared workers in collective calls, which
+    its episodes would have to take in step: refused, naming the key, for now."""
+    from types import SimpleNamespace
+
+    from posttrain import config
+    from posttrain.core.errors import ConfigError
+    from posttrain.train.build import share_workers
+
+    cfg, _ = config.load("grpo_tools", SEPARATE)
+    with pytest.raises(ConfigError, match="env.name: multi-turn episodes sample through rollout workers from one"):
+        share_workers(cfg, SimpleNamespace(sharded=False), SimpleNamespace(reward_model=None, process_model=None))
+
+
 def test_a_sharded_reward_model_beside_shared_workers_is_refused_in_one_line(tiny_model_dir, tmp_path):
     """Under fsdp2 a reward model's weights are sharded, so its forward (in the producer thread) would run beside the
     update's collectives: refused, naming the key, on both processes, before any step."""

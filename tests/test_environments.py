@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, posttrain_here
-from fake_envs import Faulty
+from fake_envs import Faulty, Metered
 from helpers import objective_grad, surrogate_grad, written_out_mean
 
 from posttrain import environments
@@ -159,12 +159,12 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def episodes(tokenizer, script, *, data=None, **settings):
+def episodes(tokenizer, script, *, data=None, env_cls=Calculator, turns=False, **settings):
     engine = Scripted(tokenizer, script)
     env = EnvConfig(**{"name": "calculator", "check_template": True, **settings})
     eos = tokenizer.eos_token_id
-    return engine, Episodes(engine, Calculator, env, tokenizer, data or DataConfig(), pad_id=tokenizer.pad_token_id,
-                            stop_ids=[eos])
+    return engine, Episodes(engine, env_cls, env, tokenizer, data or DataConfig(), pad_id=tokenizer.pad_token_id,
+                            stop_ids=[eos], turns=turns)
 
 
 ROWS = [{"question": "12*34", "answer": "408"}, {"question": "5+6", "answer": "11"}]
@@ -230,6 +230,34 @@ def test_budgets_truncate_and_the_last_turn_ends_the_episode(tokenizer):
     _, ep = episodes(tokenizer, [[call]], max_turns=3)
     batch, _ = ep.generate(ROWS[:1], [ids(tokenizer, "a")], 1, max_new_tokens=len(call) + 2)
     assert batch.truncated.tolist() == [True] and batch.response_ids.shape[1] == len(call)
+
+
+def test_each_turns_reward_sits_on_its_last_token_and_the_outcome_on_the_last_turns(tokenizer):
+    """rewards.process=turns: a turn's reward from the environment's reply at the turn's last token, 1.0 in turn_end
+    there; the online source then adds the outcome at the last turn's, so that a row's steps sum to its reward."""
+    from posttrain.stages.step_rewards import TURN_END, TURN_REWARD, outcome_on_last_turn
+
+    eos = tokenizer.eos_token_id
+    calls = [ids(tokenizer, "<calc>1</calc>"), ids(tokenizer, "<calc>22</calc>")]
+    script = [[calls[0], ids(tokenizer, "7") + [eos]], [calls[1]], [ids(tokenizer, "#### 3") + [eos]]]
+    _, ep = episodes(tokenizer, script, env_cls=Metered, turns=True, check_template=False)
+    batch, metrics = ep.generate(ROWS, [ids(tokenizer, "a"), ids(tokenizer, "b")], 1, max_new_tokens=60)
+    reply = len(ids(tokenizer, "ok"))
+    first, second = len(calls[0]) - 1, len(calls[0]) + reply + len(calls[1]) - 1
+    third = second + reply + len(ids(tokenizer, "#### 3")) + 1  # its stop token is the last
+    assert batch.extra[TURN_END][0].nonzero().flatten().tolist() == [first, second, third]
+    assert batch.extra[TURN_END][1].nonzero().flatten().tolist() == [1]
+    assert batch.extra[TURN_REWARD][0, [first, second, third]].tolist() == pytest.approx([1.4, 1.5, 0.5])
+    assert batch.extra[TURN_REWARD][1, 1].item() == 0.5 and batch.extra[TURN_REWARD].count_nonzero() == 4
+    assert (batch.mask[batch.extra[TURN_END].bool()] == 1).all()  # every end is a model token
+    assert batch.extra["env_reward"].tolist() == pytest.approx([3.4, 0.5]) and metrics["env/turns"] == 2.0
+    outcome = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    stepped = outcome_on_last_turn(batch.extra[TURN_REWARD], batch.extra[TURN_END], outcome)
+    assert stepped.sum(1).tolist() == pytest.approx((batch.extra["env_reward"] + outcome).tolist())
+    assert stepped[0, third].item() == pytest.approx(1.5) and stepped[1, 1].item() == pytest.approx(-1.5)
+    _, plain = episodes(tokenizer, [list(t) for t in script], env_cls=Metered, check_template=False)
+    assert TURN_REWARD not in plain.generate(ROWS, [ids(tokenizer, "a"), ids(tokenizer, "b")], 1,
+                                             max_new_tokens=60)[0].extra  # only when a method trains on turns
 
 
 GUESS = """
@@ -519,12 +547,35 @@ def test_a_grpo_run_in_the_calculator_environment(warm_model_dir, tmp_path):
     assert weights[0] == weights[1]
 
 
+def test_grpo_ps_trains_on_turns_as_steps(warm_model_dir, tmp_path):
+    """rewards.process=turns: GRPO+PS's steps are an episode's model turns (as many steps a sample as turns), their
+    rewards the environment's and the outcome's."""
+    import json
+
+    from posttrain import config
+    from posttrain.train import run
+
+    args = [f"model.path={warm_model_dir}", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
+            "rollout.max_new_tokens=16", "eval.num_problems=0", "data.difficulty=1", "data.train_size=20",
+            "data.test_size=4", "train.threads=1", "env.name=calculator", "env.max_turns=2", "rewards.process=turns",
+            f"output_dir={tmp_path / 'out'}"]
+    cfg, resolved = config.load("grpo_ps_math", args)
+    assert type(cfg.algorithm).__name__ == "GRPOPSConfig"
+    run(cfg, resolved, quiet=True)
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for m in metrics:  # this model answers in one turn: a step a sample, rewarded with the outcome
+        assert m["steps_per_sample"] == m["env/turns"] == 1.0
+        assert m["step_reward"] == pytest.approx(m["reward"], abs=1e-6)
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["env.name=abacus"], "env.name"),
     (["recipe=sft_math", "env.name=calculator"], "env.name: episodes are sampled by the online methods"),
-    (["env.name=calculator", "rollout.placement=separate"], "rollout.placement: multi-turn episodes"),
     (["env.name=calculator", "env.max_turns=0"], "env.max_turns: must be ≥ 1"),
     (["env.name=calculator", "env.timeout_s=0"], "env.timeout_s: must be > 0"),
+    (["recipe=grpo_ps_math", "rewards.process=turns"], "rewards.process: turns are an episode's; set env.name"),
+    (["recipe=grpo_ps_math", "env.name=calculator"], "rewards.process: steps reads the steps of one completion"),
 ])
 def test_bad_env_settings_are_one_line_errors(tmp_path, args, fragment):
     recipe = [a for a in args if a.startswith("recipe=")] or ["recipe=grpo_math"]

@@ -38,7 +38,8 @@ def test_presets_fill_what_is_not_given():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.preset=gsm9k", "data.path=x.jsonl"], "data.preset: unknown 'gsm9k'; known: embedded, gsm8k, math"),
+    (["data.preset=gsm9k", "data.path=x.jsonl"],
+     "data.preset: unknown 'gsm9k'; known: embedded, gsm8k, math, reasoning_gym (as reasoning_gym:TASK"),
     (["data.preset=embedded", "data.path=x.jsonl"], "data.preset: embedded is the built-in task"),
     (["data.preset=math"], "data.path: data.preset=math needs local files"),
     (["data.chat_template=maybe"], "data.chat_template: must be auto, true or false"),

@@ -40,10 +40,13 @@ PARTIAL = re.compile(r"warmup-([0-9a-f]{12})\.partial")
 
 
 def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
-    """The SFT run that warms the tiny model up: the embedded task of `cfg`, the warm-up's own settings."""
+    """The SFT run that warms the tiny model up: the embedded task of `cfg` (its reasoning-gym task, if it trains on
+    one), the warm-up's own settings."""
     w, d = cfg.warmup, cfg.data
-    task = DataConfig(template=d.template, task=d.task, difficulty=d.difficulty, max_operand=d.max_operand,
-                      train_size=d.train_size, test_size=d.test_size, seed=d.seed)
+    gym = d.gym_task is not None
+    task = DataConfig(preset=d.preset if gym else None, task_options=d.task_options, template=d.template, task=d.task,
+                      difficulty=d.difficulty, max_operand=d.max_operand, train_size=d.train_size,
+                      test_size=d.test_size, seed=d.seed)
     return RunConfig(
         description="SFT warm-up of the embedded tiny model", output_dir=str(out_dir), overwrite=True, seed=0,
         model=ModelConfig(path=str(init_dir)), data=task, algorithm=SFTConfig(),
@@ -63,6 +66,8 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
     if d.task != "arithmetic":  # the arithmetic task's keys are those from before there were others
         key_fields["task"].append(d.task)
+    if d.gym_task is not None:
+        key_fields["task"].append([d.preset, d.task_options])
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]
     root = cache_root(cfg)
     out = root / f"warmup-{key}"

@@ -12,6 +12,8 @@ import random
 
 from posttrain.core.errors import ConfigError
 
+TEST_SEED_OFFSET = 1_000_003  # held-out problems come from a seed of their own
+
 
 def make_problem(rng: random.Random, difficulty: int, max_operand: int = 9) -> dict[str, str]:
     """One problem: `difficulty` + 1 operands in [0, max_operand] joined by + or −, solved one step per line.
@@ -64,5 +66,5 @@ def make_split(seed: int, size: int, difficulty: int, max_operand: int, exclude:
 def task_splits(seed: int, train_size: int, test_size: int, difficulty: int, max_operand: int = 9,
                 task: str = "arithmetic"):
     """(train, test) problems of `task`; test questions never appear in train."""
-    test = make_split(seed + 1_000_003, test_size, difficulty, max_operand, task=task)
+    test = make_split(seed + TEST_SEED_OFFSET, test_size, difficulty, max_operand, task=task)
     return make_split(seed, train_size, difficulty, max_operand, {r["question"] for r in test}, task), test

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.errors import ConfigError, DataError
-from posttrain.data import embedded
+from posttrain.data import embedded, gym
 from posttrain.schema import PRESETS, DataConfig
 
 
@@ -135,6 +135,8 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     if cfg.preset == "embedded":
         return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand,
                                      cfg.task)
+    if cfg.gym_task is not None:
+        return gym.task_splits(cfg.gym_task, cfg.task_options, cfg.seed, cfg.train_size, cfg.test_size)
     answer = {cfg.answer_field: reference} if reference is not None else {}
     train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
     if cfg.test_path is None:  # hold out the tail, so evaluation never sees a training row
@@ -166,7 +168,7 @@ def uses_chat(tokenizer, cfg: DataConfig) -> bool:
 
 
 def prompt_messages(row: dict, cfg: DataConfig) -> list[dict]:
-    template = cfg.template or PRESETS[cfg.preset]["chat"]
+    template = cfg.template or PRESETS[cfg.layout_of(cfg.preset)]["chat"]
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     return system + [{"role": "user", "content": template.replace("{prompt}", str(row[cfg.prompt_field]))}]
 
@@ -177,7 +179,7 @@ def prompt_texts(rows: list[dict], cfg: DataConfig, tokenizer=None) -> list[str]
     if uses_chat(tokenizer, cfg):
         return [tokenizer.apply_chat_template(prompt_messages(r, cfg), tokenize=False, add_generation_prompt=True)
                 for r in rows]
-    template = cfg.template or PRESETS[cfg.preset]["raw"]
+    template = cfg.template or PRESETS[cfg.layout_of(cfg.preset)]["raw"]
     head = f"{cfg.system_prompt}\n" if cfg.system_prompt else ""
     return [head + template.replace("{prompt}", str(r[cfg.prompt_field])) for r in rows]
 

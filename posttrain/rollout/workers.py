@@ -310,6 +310,7 @@ class WorkerPool(RolloutEngine):
         if shared_rng and workers != 1:
             raise ValueError("WorkerPool: a shared generator needs exactly one worker")
         self.spec, self.name, self.cpus, self.shared_rng = spec, spec.engine, cpus, shared_rng
+        self.stops = get(spec.engine).stops  # the workers' engine stops a turn at an environment's strings
         self.takes_adapter = spec.lora is not None  # hf workers under LoRA hold the same adapted model
         self.max_restarts, self.bucket_bytes = max_restarts, int(bucket_mb * 2**20)
         self.timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -394,8 +395,11 @@ class WorkerPool(RolloutEngine):
 
     # -- sampling ---------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
+                 temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                 stop: list[list[int]] | None = None) -> Batch:
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
+        if stop:  # a turn of a multi-turn episode: the worker's engine stops at these too
+            sampling["stop"] = stop
         rng = torch.get_rng_state() if self.shared_rng else None
         [(batch, rng)] = self.sample([(prompts, n, rng)], sampling)
         if self.shared_rng:

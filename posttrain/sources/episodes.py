@@ -11,7 +11,10 @@ sampled from.
 The batch that comes back is a rollout record like a single-turn one, with one difference: the response holds the
 environment's tokens between the model's turns, and `mask` (with `model_tokens`) is 1 on the model's tokens only.
 Every method's gradient coefficient multiplies the mask, so the environment's tokens get a GC of exactly 0, and
-token means count the model's tokens. Their log-probs under the sampler are 0, and no method reads them.
+token means count the model's tokens. Their log-probs under the sampler are 0, and no method reads them. Each
+episode's environment rewards, summed, are `extra["env_reward"]`; with `turns` (rewards.process=turns, for GRPO+PS)
+each turn's is also on its last token (`extra["turn_reward"]`, `["turn_end"]`), where the online source adds the
+outcome rewards to the last turn's.
 
 `env.check_template=true` checks every turn that the conversation so far, rendered and tokenised, equals the
 trajectory's ids, and stops at the first position where it does not: a template that renders an earlier turn
@@ -31,6 +34,7 @@ from posttrain.core.errors import ConfigError
 from posttrain.data import prompt_messages, uses_chat
 from posttrain.rollout.base import counts
 from posttrain.schema import DataConfig, EnvConfig
+from posttrain.stages.step_rewards import TURN_END, TURN_REWARD
 
 
 @dataclass
@@ -50,18 +54,24 @@ class Episode:
     errors: int = 0
     reward: float = 0.0
     info: dict[str, float] = field(default_factory=dict)
+    turn_ends: list[int] = field(default_factory=list)  # the index in `ids` of each model turn's last token
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's reward for each of those turns
+    version: int | None = None  # the oldest policy version that sampled a turn (rollout workers say; else None)
 
     def add(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
         self.model += [1.0 if logp is not None else 0.0] * len(ids)
         self.logp += logp if logp is not None else [0.0] * len(ids)
+        if logp is not None and ids:
+            self.turn_ends.append(len(self.ids) - 1)
+            self.turn_rewards.append(0.0)
 
 
 class Episodes:
     """Runs the episodes of a batch of prompts turn by turn on `engine` in the environment class `env_cls`."""
 
     def __init__(self, engine, env_cls, settings: EnvConfig, tokenizer, data: DataConfig, *, pad_id: int,
-                 stop_ids: list[int], pool: BoundedPool | None = None):
+                 stop_ids: list[int], pool: BoundedPool | None = None, turns: bool = False):
         if not engine.stops:
             raise ConfigError(f"env.name: the {engine.name} engine cannot stop a turn at the environment's strings "
                               "(multi-turn rollouts run on rollout.engine=hf or vllm)")
@@ -70,6 +80,7 @@ class Episodes:
         self.chat = uses_chat(tokenizer, data)
         self.stop = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in env_cls.stop]
         self.pool = pool or environments.POOL
+        self.turns = turns  # put each turn's reward on its last token (rewards.process=turns)
 
     def generate(self, rows: list[dict], prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> tuple[Batch, dict]:
@@ -90,8 +101,11 @@ class Episodes:
             out = self.engine.generate([e.prompt + e.ids for e in running], 1, max_new_tokens=limit,
                                        temperature=temperature, top_p=top_p, greedy=greedy, stop=self.stop)
             response, keep, logp = out.response_ids.tolist(), out.mask.bool().tolist(), out.rollout_logp.tolist()
+            versions = out.version.tolist() if out.version is not None else [None] * len(running)
             asked = []  # (episode, text, ids, ended) whose turn the environment answers
-            for e, ids, kept, lp in zip(running, response, keep, logp):
+            for e, ids, kept, lp, version in zip(running, response, keep, logp, versions):
+                if version is not None:  # rollout workers may sample a later turn with newer weights
+                    e.version = version if e.version is None else min(e.version, version)
                 length = min(sum(kept), max_new_tokens - len(e.ids), turn_budget)
                 ids, lp = ids[:length], lp[:length]
                 e.add(ids, lp)
@@ -118,6 +132,8 @@ class Episodes:
                 e.errors += 1
                 reply = environments.Reply(text=f"error: the environment failed ({outcome.error})")
             e.reward += float(reply.reward)
+            if e.turn_rewards and e.turn_ends[-1] == len(e.ids) - 1:  # the turn just sampled (an empty one has none)
+                e.turn_rewards[-1] += float(reply.reward)
             for k, v in reply.info.items():
                 e.info[k] = e.info.get(k, 0.0) + float(v)
             if ended or reply.done:
@@ -187,12 +203,19 @@ class Episodes:
         response = right([e.ids for e in episodes], self.pad_id, torch.long)
         real = right([[1] * len(e.ids) for e in episodes], 0, torch.long)
         model = right([e.model for e in episodes], 0.0, torch.float32)
+        extra = {"env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32)}  # [B]
+        if self.turns:
+            reward, end = torch.zeros(len(episodes), R), torch.zeros(len(episodes), R)  # [B, R] x2
+            for i, e in enumerate(episodes):
+                reward[i, e.turn_ends], end[i, e.turn_ends] = torch.tensor(e.turn_rewards), 1.0
+            extra.update({TURN_REWARD: reward, TURN_END: end})
+        versions = [e.version for e in episodes]
         return Batch(
             input_ids=torch.cat([prompt_ids, response], 1), attention_mask=torch.cat([prompt_mask, real], 1),
             mask=model, prompt_len=prompt_ids.shape[1], group=torch.tensor(group, dtype=torch.long),
             truncated=torch.tensor([e.truncated for e in episodes]),
             rollout_logp=right([e.logp for e in episodes], 0.0, torch.float32), model_tokens=model.clone(),
-            extra={"env_reward": torch.tensor([e.reward for e in episodes], dtype=torch.float32)})
+            extra=extra, version=None if None in versions else torch.tensor(versions, dtype=torch.long))
 
     @staticmethod
     def _metrics(episodes: list[Episode]) -> dict:
@@ -206,10 +229,12 @@ class Episodes:
         return out
 
 
-def episodes_for(env: EnvConfig, engine, tokenizer, data: DataConfig, stop_ids: list[int]) -> Episodes | None:
-    """The episodes a run or an evaluation samples with `env.name`; None without one (single completions)."""
+def episodes_for(env: EnvConfig, engine, tokenizer, data: DataConfig, stop_ids: list[int],
+                 turns: bool = False) -> Episodes | None:
+    """The episodes a run or an evaluation samples with `env.name`, each turn's reward on its tokens with `turns`;
+    None without one (single completions)."""
     if env.name is None:
         return None
     return Episodes(engine, environments.get(env.name), env, tokenizer, data, pad_id=tokenizer.pad_token_id,
-                    stop_ids=list(stop_ids))
+                    stop_ids=list(stop_ids), turns=turns)
 

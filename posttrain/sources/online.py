@@ -21,6 +21,7 @@ from posttrain.data import completion_texts, prompt_ids
 from posttrain.data.difficulty import FixedGroups, tracks_pass_rates
 from posttrain.sources.base import Source, register
 from posttrain.stages import Judged, Pipeline, build
+from posttrain.stages.step_rewards import TURN_END, TURN_REWARD, outcome_on_last_turn
 
 
 @register("online")
@@ -65,6 +66,8 @@ class Online(Source):
         sizes = n if isinstance(n, list) else [n] * len(rows)
         rows, texts = [r for r, k in zip(rows, sizes) for _ in range(k)], completion_texts(self.tokenizer, batch)
         outcome, reward_stats = self.judge.score(rows, texts, group=batch.group.cpu())  # [B] on the CPU
+        if TURN_REWARD in batch.extra:  # rewards.process=turns: the outcome is the last turn's reward too
+            batch.extra[TURN_REWARD] = outcome_on_last_turn(batch.extra[TURN_REWARD], batch.extra[TURN_END], outcome)
         if "env_reward" in batch.extra:  # an episode's reward: the judge's outcome and the environment's turns
             outcome = outcome + batch.extra.pop("env_reward").to(outcome.dtype)
         batch.reward = outcome

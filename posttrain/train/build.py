@@ -114,7 +114,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     engine = Engine(cfg=cfg, backend=backend, model_path=model_path, plugin=plugin, needs=needs, tokenizer=tokenizer,
                      judge=judge, policy=trained_policy, ref=ref, ref_is_base=ref_is_base, critic=critic,
                      rollout=rollouts, controllers=controllers, test_rows=test_rows, parameters=parameters, roles=roles)
-    engine.episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids)  # for sources and eval
+    engine.episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids,  # for sources and eval
+                                   turns="step_reward" in needs and cfg.rewards.process == "turns")
     episodes = engine.episodes
     if separate:  # version 0, before a source samples through them: the workers loaded the start model's files, and
         engine.sync_rollout()  # an adapter starts afresh
@@ -173,7 +174,11 @@ def shared_rng(r) -> bool:
 def share_workers(cfg: RunConfig, backend: Backend, judge) -> Lanes:
     """The groups over which several training processes share the workers (posttrain.rollout.shared). Refused where
     the producer thread would run a sharded model's forward beside the trainer's collectives: a reward model or
-    process reward model under fsdp2 or zero3."""
+    process reward model under fsdp2 or zero3; and for multi-turn episodes, whose turns the processes would have to
+    take in step."""
+    if cfg.env.name is not None:
+        raise ConfigError("env.name: multi-turn episodes sample through rollout workers from one training process; "
+                          "with several, use rollout.placement=colocated, for now")
     if backend.sharded and (judge.reward_model is not None or judge.process_model is not None):
         key = "reward_model.path" if judge.reward_model is not None else "reward_model.process_path"
         raise ConfigError(f"{key}: a reward model is sharded under train.backend={cfg.train.backend}, and its forward "
