@@ -4,8 +4,8 @@ The final answer of a completion is the text after its last `####`, stripped; it
 words). A completion without the marker, or with nothing after it, has no answer (None), which the scorer scores as
 it scores any answer (most give 0, some a little for trying: countdown 0.01).
 
-The reference is a row's `reference` field as `posttrain.data.gym` writes it: JSON {"task", "options", "entry"}, the
-entry being what the task generated (question, answer, metadata). The score is the task's `score_answer(answer,
+The reference is a row's `reference` field as `posttrain.data.gym` writes and reads it: JSON {"task", "options",
+"entry"}, the entry being what the task generated (question, answer, metadata). The score is the task's `score_answer(answer,
 entry)` in [0, 1]: 1 for a right answer, 0 for a wrong one, and for some tasks credit between (reasoning-gym's
 default gives an answer that contains the reference len(reference) / len(answer)). The accuracy reward is that
 score; a verdict (evaluation's accuracy, what RFT and DPO keep) is whether it is 1.
@@ -21,6 +21,7 @@ import json
 from collections.abc import Sequence
 
 from posttrain.core.bounded import BoundedPool
+from posttrain.data.gym import read_reference
 
 MARKER = "####"
 POOL = BoundedPool()  # its workers start on the first call
@@ -35,7 +36,7 @@ def final_answer(completion: str) -> str | None:
 def reference_problem(reference: str) -> str | None:
     """What keeps `reference` from being scored against (not this module's JSON), or None."""
     try:
-        parsed = json.loads(reference)
+        parsed = read_reference(reference)
     except ValueError:
         return "is not the JSON reference data.preset=reasoning_gym:TASK writes"
     if not isinstance(parsed, dict) or not {"task", "options", "entry"} <= parsed.keys():
@@ -52,7 +53,7 @@ def _scorer(task: str, options: str):
 
 def score(completion: str, reference: str) -> float:
     """The task's score of the completion's final answer against the entry in `reference`, in [0, 1]."""
-    ref = json.loads(reference)
+    ref = read_reference(reference)
     check = _scorer(ref["task"], json.dumps(ref["options"], sort_keys=True))
     return float(check(final_answer(completion), ref["entry"]))
 

@@ -28,7 +28,9 @@ SUMS_ARGS = [f"data.task_options.{k}={v}" for k, v in SUMS.items()]
 
 
 def entry_of(row: dict) -> dict:
-    return json.loads(row["reference"])["entry"]
+    from posttrain.data.gym import read_reference
+
+    return read_reference(row["reference"])["entry"]
 
 
 @needs_gym
@@ -41,7 +43,7 @@ def test_rows_are_the_tasks_entries_and_held_out_rows_stay_out_of_training():
     generated = reasoning_gym.create_dataset("chain_sum", **SUMS, seed=7, size=80 * 50)
     for row in train:
         entry = entry_of(row)
-        assert entry == json.loads(json.dumps(generated[entry["metadata"]["source_index"]]))  # the task's own entry
+        assert entry == generated[entry["metadata"]["source_index"]]  # the task's own entry, tuples and all
         assert row["question"] == entry["question"] and row["response"] == f"#### {entry['answer']}"
     questions = [r["question"] for r in train]
     assert len(set(questions)) == 80 and not set(questions) & {r["question"] for r in test}
@@ -70,6 +72,19 @@ def test_the_reward_is_the_tasks_own_score():
     assert expected[:2] == [1.0, 1.0] and 0.0 < expected[2] < 1.0 and expected[3] < 1.0
     assert judge.correct([row] * len(completions), completions) == [True, True, False, False, False]
     assert judge.final_answers(completions) == answers
+
+
+@pytest.mark.parametrize("task", ["chain_sum", "word_sorting", "arc_agi"])
+@needs_gym
+def test_each_tasks_own_answer_scores_1(task):
+    """The warm-up's target for each row, `#### ANSWER`, is right by the task's scorer: the reference keeps what the
+    scorer compares with as it was generated (arc_agi compares its parsed board with a tuple in the metadata, which
+    plain JSON would give back as a list, scoring 0.05)."""
+    from posttrain.data.gym import split
+    from posttrain.rewards.gym_answer import score
+
+    rows = split(task, {}, seed=3, size=3)
+    assert [score(r["response"], r["reference"]) for r in rows] == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("overrides,fragment", [

@@ -8,7 +8,9 @@ and the task's config, `data.task_options`.
 Each row holds:
 - `question`: the entry's question, the prompt;
 - `response`: `#### ANSWER`, the target of SFT and of the embedded model's warm-up;
-- `reference`: JSON {"task", "options", "entry"}, what `posttrain.rewards.gym_answer` scores a completion against.
+- `reference`: JSON {"task", "options", "entry"}, what `posttrain.rewards.gym_answer` scores a completion against
+  (`reference` writes it, `read_reference` reads it back: tuples are kept as tuples, since some scorers compare the
+  answer they parse with a tuple in the entry's metadata, arc_agi's board among them).
 
 The held-out split comes from a seed of its own (the embedded task's offset), and no training row repeats one of its questions, as with the
 embedded task.
@@ -48,10 +50,37 @@ def dataset(task: str, options: dict[str, Any], seed: int = 0, size: int = 1):
         raise ConfigError(f"data.task_options: {task} refuses {options}: {err}") from None
 
 
+TUPLE = "__tuple__"  # how `reference` writes a tuple, which JSON would read back as a list
+
+
+def _tagged(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return {TUPLE: [_tagged(v) for v in value]}
+    if isinstance(value, list):
+        return [_tagged(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _tagged(v) for k, v in value.items()}
+    return value
+
+
+def _untagged(obj: dict) -> Any:
+    return tuple(obj[TUPLE]) if obj.keys() == {TUPLE} else obj
+
+
+def reference(task: str, options: dict[str, Any], entry: dict[str, Any]) -> str:
+    """A row's `reference`: the task, its options and the entry, as JSON (anything JSON has no type for as its str)."""
+    return json.dumps(_tagged({"task": task, "options": options, "entry": entry}), sort_keys=True, default=str)
+
+
+def read_reference(text: str) -> dict[str, Any]:
+    """`reference`'s dict again, tuples as tuples. Raises ValueError for text that is not JSON."""
+    return json.loads(text, object_hook=_untagged)
+
+
 def row(task: str, options: dict[str, Any], entry: dict[str, Any]) -> dict[str, str]:
     """One posttrain row of a reasoning-gym entry (module docstring)."""
-    reference = json.dumps({"task": task, "options": options, "entry": entry}, sort_keys=True, default=str)
-    return {"question": entry["question"], "response": f"#### {entry['answer']}", "reference": reference}
+    return {"question": entry["question"], "response": f"#### {entry['answer']}",
+            "reference": reference(task, options, entry)}
 
 
 def split(task: str, options: dict[str, Any], seed: int, size: int, exclude: set[str] = frozenset(),
