@@ -175,7 +175,7 @@ class DataConfig(Freezable):
 
     def __post_init__(self):
         preset = self.preset or ("embedded" if self.path is None and self.test_path is None else "gsm8k")
-        if preset.startswith(GYM) and not preset[len(GYM):].strip():
+        if preset == "reasoning_gym" or preset.startswith(GYM) and not preset[len(GYM):].strip():
             raise ConfigError("preset: reasoning_gym needs a task, e.g. reasoning_gym:chain_sum")
         if self.layout_of(preset) not in PRESETS:
             raise ConfigError(f"preset: unknown {preset!r}; known: {', '.join(PRESETS)} (as reasoning_gym:TASK)")
@@ -194,6 +194,9 @@ class DataConfig(Freezable):
         self.preset = preset
         if self.answer_format not in ANSWER_FORMATS:
             raise ConfigError(f"answer_format: unknown {self.answer_format!r}; known: {', '.join(ANSWER_FORMATS)}")
+        if self.answer_format == "reasoning_gym" and preset == "embedded":
+            raise ConfigError("answer_format: reasoning_gym scores against a reasoning-gym entry, which the embedded "
+                              "task's rows do not hold (use data.preset=reasoning_gym:TASK)")
         if self.chat_template not in (True, False, "auto"):
             raise ConfigError(f"chat_template: must be auto, true or false (got {self.chat_template!r})")
         if self.template is not None and "{prompt}" not in self.template:

@@ -14,12 +14,13 @@ Numbers may carry a sign, a `$`, thousands commas and decimals, and are compared
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Sequence
 from decimal import Decimal
 from fractions import Fraction
 
-from posttrain.core.errors import DataError
+from posttrain.core.errors import ConfigError, DataError
 from posttrain.rewards.base import register
 
 # A sign (not when it is a minus between two operands, as in "10-3"), an optional `$`, then digits with either
@@ -70,10 +71,8 @@ def reference_problem(reference: str, answer_format: str = "number") -> str | No
     """
     if answer_format == "number" and extract_answer(reference) is None:
         return "holds no number to compare answers with"
-    if answer_format == "reasoning_gym":
-        from posttrain.rewards import gym_answer
-
-        return gym_answer.reference_problem(reference)
+    if answer_format == "reasoning_gym":  # the task, options and entry the scorer needs
+        return checker(answer_format).reference_problem(reference)
     return None
 
 
@@ -90,29 +89,37 @@ def is_correct(completion: str, reference: str) -> bool:
     return got is not None and Fraction(got) == Fraction(expected)
 
 
+# The formats checked by a module of their own, imported when first used (sympy, reasoning-gym): each has `verdicts`,
+# `scores` and `final_answers` over lists. `number` is this module's rule.
+CHECKERS = {"math": "posttrain.rewards.math_answer", "reasoning_gym": "posttrain.rewards.gym_answer"}
+
+
+def checker(answer_format: str):
+    """The module that checks answers of `answer_format`, or None for `number`.
+
+    Raises:
+        ConfigError: the checker's package is not installed (reasoning-gym is an extra).
+    """
+    if answer_format not in CHECKERS:
+        return None
+    try:
+        return importlib.import_module(CHECKERS[answer_format])
+    except ImportError as err:
+        raise ConfigError(f"data.answer_format: {answer_format} needs the {err.name} package "
+                          "(pip install 'posttrain[reasoning-gym]' for reasoning_gym)") from None
+
+
 def verdicts(completions: Sequence[str], answers: Sequence[str], answer_format: str = "number") -> list[bool | None]:
     """Whether each completion's final answer equals its reference; None where a math check failed or timed out."""
-    if answer_format == "math":
-        from posttrain.rewards import math_answer
-
-        return math_answer.verdicts(completions, answers)
-    if answer_format == "reasoning_gym":
-        from posttrain.rewards import gym_answer
-
-        return gym_answer.verdicts(completions, answers)
+    if (module := checker(answer_format)) is not None:
+        return module.verdicts(completions, answers)
     return [is_correct(c, a) for c, a in zip(completions, answers, strict=True)]
 
 
 def final_answers(completions: Sequence[str], answer_format: str = "number") -> list[str | None]:
     """The final answer each completion gives, as a string equal for equal answers (what maj@k votes on), or None."""
-    if answer_format == "math":
-        from posttrain.rewards import math_answer
-
-        return math_answer.final_answers(completions)
-    if answer_format == "reasoning_gym":
-        from posttrain.rewards import gym_answer
-
-        return gym_answer.final_answers(completions)
+    if (module := checker(answer_format)) is not None:
+        return module.final_answers(completions)
     return [extract_answer(c) for c in completions]
 
 
@@ -121,20 +128,15 @@ def accuracy(completions: Sequence[str], answers: Sequence[str], prompts: Sequen
              answer_format: str = "number") -> list[float | None]:
     """1.0 per completion whose final answer equals its reference, else 0.0 (None: the check failed); a reasoning-gym
     task's own score in [0, 1]. The prompts are not needed."""
-    if answer_format == "reasoning_gym":
-        from posttrain.rewards import gym_answer
-
-        return gym_answer.scores(completions, answers)
+    if (module := checker(answer_format)) is not None:
+        return module.scores(completions, answers)
     return [None if v is None else float(v) for v in verdicts(completions, answers, answer_format)]
 
 
 def _warm(answer_format: str = "number") -> None:
-    """Imports math-verify for the math format, reasoning-gym for its own: a reward worker calls this as it starts, so
+    """Imports the format's checker (math-verify and sympy, reasoning-gym): a reward worker calls this as it starts, so
     that the import (a second or two) counts against no check's bound (`posttrain.rewards.base`)."""
-    if answer_format == "math":
-        from posttrain.rewards import math_answer  # noqa: F401
-    if answer_format == "reasoning_gym":
-        import reasoning_gym  # noqa: F401
+    checker(answer_format)
 
 
 accuracy.warm = _warm

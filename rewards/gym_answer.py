@@ -5,10 +5,10 @@ words). A completion without the marker, or with nothing after it, has no answer
 it scores any answer (most give 0, some a little for trying: countdown 0.01).
 
 The reference is a row's `reference` field as `posttrain.data.gym` writes and reads it: JSON {"task", "options",
-"entry"}, the entry being what the task generated (question, answer, metadata). The score is the task's `score_answer(answer,
-entry)` in [0, 1]: 1 for a right answer, 0 for a wrong one, and for some tasks credit between (reasoning-gym's
-default gives an answer that contains the reference len(reference) / len(answer)). The accuracy reward is that
-score; a verdict (evaluation's accuracy, what RFT and DPO keep) is whether it is 1.
+"entry"}, the entry being what the task generated (question, answer, metadata). The score is the task's
+`score_answer(answer, entry)` in [0, 1]: 1 for a right answer, 0 for a wrong one, and for some tasks credit
+between (reasoning-gym's default gives an answer that contains the reference len(reference) / len(answer)). The
+accuracy reward is that score; a verdict (evaluation's accuracy, what RFT and DPO keep) is whether it is 1.
 
 Scorers are reasoning-gym's code, some of them search or parse; each check runs in `POOL` within its bound, as
 math-verify's do (`posttrain.rewards.math_answer`), and a worker builds each task's dataset object once.
@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
+
+import reasoning_gym
 
 from posttrain.core.bounded import BoundedPool
 from posttrain.data.gym import read_reference
@@ -46,8 +48,6 @@ def reference_problem(reference: str) -> str | None:
 
 @functools.lru_cache(maxsize=64)
 def _scorer(task: str, options: str):
-    import reasoning_gym
-
     return reasoning_gym.create_dataset(task, **json.loads(options), seed=0, size=1).score_answer
 
 

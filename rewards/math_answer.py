@@ -89,6 +89,11 @@ def verdicts(completions: Sequence[str], references: Sequence[str], timeout_s: f
     return [bool(o.value) if o.ok else None for o in POOL.map(_check, zip(completions, references), timeout_s)]
 
 
+def scores(completions: Sequence[str], references: Sequence[str], timeout_s: float = 5.0) -> list[float | None]:
+    """The accuracy reward: 1.0 or 0.0 per verdict, None where the check failed."""
+    return [None if v is None else float(v) for v in verdicts(completions, references, timeout_s)]
+
+
 def verify(completions: Sequence[str], references: Sequence[str], timeout_s: float = 5.0) -> tuple[list[bool], int]:
     """Whether each completion's final answer is equivalent to its reference's, and how many checks failed.
 

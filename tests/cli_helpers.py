@@ -72,7 +72,8 @@ class Zygote:
         """The variables whose values in `env` are not the ones this process started with, but for those posttrain
         reads at run time (a command forked under any other would miss what was read at import)."""
         def kept(e: dict) -> set:
-            return {(k, v) for k, v in e.items() if k not in READ_WHEN_USED and not k.startswith(("POSTTRAIN_", "PYTEST_"))}
+            return {(k, v) for k, v in e.items()
+                    if k not in READ_WHEN_USED and not k.startswith(("POSTTRAIN_", "PYTEST_"))}
 
         return {k for k, _ in kept(env) ^ kept(self.env)}
 

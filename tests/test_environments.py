@@ -133,8 +133,9 @@ class Scripted(RolloutEngine):
 
     name, stops = "scripted", True
 
-    def __init__(self, tokenizer, script: list[list[str | list[int]]]):
+    def __init__(self, tokenizer, script: list[list[str | list[int]]], versions: list[int] | None = None):
         self.tokenizer, self.script, self.calls = tokenizer, list(script), []
+        self.versions = versions  # the policy version each call reports, as rollout workers do; None: none
 
     def generate(self, prompts, n, *, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, stop=None):
         assert n == 1 and stop is not None
@@ -148,8 +149,9 @@ class Scripted(RolloutEngine):
         response = torch.tensor([i + [0] * (R - len(i)) for i in ids])
         mask = torch.tensor([[1.0] * len(i) + [0.0] * (R - len(i)) for i in ids])
         logp = -0.5 - 0.01 * torch.arange(R).float().expand(len(ids), R) * mask
+        version = torch.full((len(ids),), self.versions.pop(0)) if self.versions else None
         return Batch(input_ids=torch.cat([prompt, response], 1), attention_mask=torch.cat([prompt_mask, mask.long()], 1),
-                     mask=mask, prompt_len=prompt.shape[1], rollout_logp=logp * mask)
+                     mask=mask, prompt_len=prompt.shape[1], rollout_logp=logp * mask, version=version)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +201,20 @@ def test_an_episode_is_one_sequence_with_the_environment_masked_out(tokenizer):
     assert lp[len(first): len(first) + len(reply)] == [0.0] * len(reply)
     assert batch.group.tolist() == [0, 1] and batch.truncated.tolist() == [False, False]
     assert metrics["env/turns"] == 1.5 and metrics["env/env_tokens"] == len(reply) / 2 and metrics["env/calls"] == 0.5
+
+
+def test_an_episodes_version_is_the_oldest_that_sampled_a_turn(tokenizer):
+    """Through rollout workers each turn is a request, which a newer policy may answer: the episode is as stale as
+    its oldest turn; an engine that reports no version leaves it to the source."""
+    eos = tokenizer.eos_token_id
+    script = [[ids(tokenizer, "<calc>12*34</calc>"), ids(tokenizer, "11") + [eos]],
+              [ids(tokenizer, "\n#### 408") + [eos]]]
+    engine, ep = episodes(tokenizer, [list(t) for t in script])
+    engine.versions = [3, 5]
+    batch, _ = ep.generate(ROWS, [ids(tokenizer, "Q: 12*34\n"), ids(tokenizer, "Q: 5+6\n")], 1, max_new_tokens=40)
+    assert batch.version.tolist() == [3, 3]
+    engine, ep = episodes(tokenizer, [list(t) for t in script])
+    assert ep.generate(ROWS, [ids(tokenizer, "a"), ids(tokenizer, "b")], 1, max_new_tokens=40)[0].version is None
 
 
 def test_the_model_tokens_are_kept_as_sampled_never_retokenised(tokenizer):
@@ -547,26 +563,25 @@ def test_a_grpo_run_in_the_calculator_environment(warm_model_dir, tmp_path):
     assert weights[0] == weights[1]
 
 
-def test_grpo_ps_trains_on_turns_as_steps(warm_model_dir, tmp_path):
-    """rewards.process=turns: GRPO+PS's steps are an episode's model turns (as many steps a sample as turns), their
-    rewards the environment's and the outcome's."""
+def test_grpo_ps_trains_on_turns_as_steps(tmp_path):
+    """rewards.process=turns: GRPO+PS's steps are an episode's model turns (as many steps a sample as turns: the call
+    and the answer), rewarded by the environment's replies and the outcome, which they sum to."""
     import json
 
     from posttrain import config
-    from posttrain.train import run
+    from posttrain.apps.cli import train  # `posttrain run`'s own: the warm-up, then the run
 
-    args = [f"model.path={warm_model_dir}", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4",
-            "rollout.max_new_tokens=16", "eval.num_problems=0", "data.difficulty=1", "data.train_size=20",
-            "data.test_size=4", "train.threads=1", "env.name=calculator", "env.max_turns=2", "rewards.process=turns",
-            f"output_dir={tmp_path / 'out'}"]
-    cfg, resolved = config.load("grpo_ps_math", args)
+    args = ["warmup.steps=60", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4", "eval.num_problems=0",
+            "data.train_size=50", "data.test_size=10", "train.threads=1", "algorithm.name=grpo_ps",
+            "rewards.process=turns", f"output_dir={tmp_path / 'out'}"]  # test_async's warm-up: cached once
+    cfg, resolved = config.load("grpo_tools", args)
     assert type(cfg.algorithm).__name__ == "GRPOPSConfig"
-    run(cfg, resolved, quiet=True)
+    train(cfg, resolved, quiet=True)
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    for m in metrics:  # this model answers in one turn: a step a sample, rewarded with the outcome
-        assert m["steps_per_sample"] == m["env/turns"] == 1.0
-        assert m["step_reward"] == pytest.approx(m["reward"], abs=1e-6)
+    assert len(metrics) == 2 and any(m["env/turns"] > 1 for m in metrics)  # the tool was called
+    for m in metrics:
+        assert m["steps_per_sample"] == pytest.approx(m["env/turns"])
+        assert m["step_reward"] * m["steps_per_sample"] == pytest.approx(m["reward"], abs=1e-6)
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -576,6 +591,9 @@ def test_grpo_ps_trains_on_turns_as_steps(warm_model_dir, tmp_path):
     (["env.name=calculator", "env.timeout_s=0"], "env.timeout_s: must be > 0"),
     (["recipe=grpo_ps_math", "rewards.process=turns"], "rewards.process: turns are an episode's; set env.name"),
     (["recipe=grpo_ps_math", "env.name=calculator"], "rewards.process: steps reads the steps of one completion"),
+    (["recipe=grpo_ps_math", "env.name=calculator", "rewards.process=none"], "set rewards.process=turns"),
+    (["recipe=grpo_ps_math", "env.name=calculator", "rewards.process=turns", "rollout.elite_pool=4"],
+     "rollout.elite_pool: a replayed elite would keep none of its turns' rewards"),
 ])
 def test_bad_env_settings_are_one_line_errors(tmp_path, args, fragment):
     recipe = [a for a in args if a.startswith("recipe=")] or ["recipe=grpo_math"]

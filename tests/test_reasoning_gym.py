@@ -21,7 +21,8 @@ from posttrain.schema import DataConfig, RewardsConfig
 HAVE_GYM = importlib.util.find_spec("reasoning_gym") is not None
 if not HAVE_GYM and os.environ.get("POSTTRAIN_REQUIRE_REASONING_GYM") == "1":
     raise RuntimeError("POSTTRAIN_REQUIRE_REASONING_GYM=1 but reasoning_gym is not importable in this environment")
-needs_gym = pytest.mark.skipif(not HAVE_GYM, reason="reasoning-gym is not installed (pip install 'posttrain[reasoning-gym]')")
+needs_gym = pytest.mark.skipif(not HAVE_GYM,
+                               reason="reasoning-gym is not installed (pip install 'posttrain[reasoning-gym]')")
 
 SUMS = {"min_terms": 2, "max_terms": 2, "max_digits": 1}  # chain_sum: a ± b of one digit each, 200 questions in all
 SUMS_ARGS = [f"data.task_options.{k}={v}" for k, v in SUMS.items()]
@@ -63,7 +64,8 @@ def test_the_reward_is_the_tasks_own_score():
     entry = entry_of(row)
     numbers = entry["metadata"]["numbers"]
     answers = [entry["answer"], f"({entry['answer']})", f"{numbers[0]} + {numbers[1]}", None, None]
-    completions = [f"#### {answers[0]}", f"Let me see.\n#### {answers[1]}  \n", f"#### {answers[2]}", answers[0], "####"]
+    completions = [f"#### {answers[0]}", f"Let me see.\n#### {answers[1]}  \n", f"#### {answers[2]}", answers[0],
+                   "####"]
     judge = Judge(cfg, RewardsConfig())
     rewards, stats = judge.score([row] * len(completions), completions)
     task = reasoning_gym.create_dataset("countdown", **options, seed=0, size=1)
@@ -93,6 +95,11 @@ def test_each_tasks_own_answer_scores_1(task):
      "data.task_options.terms: chain_sum has no such option (its options: min_terms"),
     (["data.preset=reasoning_gym:chain_sum", "data.task_options.min_terms=0"],
      "data.task_options: chain_sum refuses {'min_terms': 0}: min_terms must be positive"),
+    (["data.preset=reasoning_gym:chain_sum", "data.task_options.max_digits=1.5"],  # fails only when drawn
+     "data.task_options: chain_sum refuses {'max_digits': 1.5}"),
+    (["data.preset=reasoning_gym:boxnet"], "data.preset: reasoning_gym:boxnet's entries hold no answer to train on"),
+    (["data.preset=reasoning_gym"], "data.preset: reasoning_gym needs a task"),
+    (["data.answer_format=reasoning_gym"], "data.answer_format: reasoning_gym scores against a reasoning-gym entry"),
     (["data.preset=reasoning_gym:chain_sum", *SUMS_ARGS, "data.test_size=300"],
      "data.test_size: reasoning_gym:chain_sum gave too few distinct questions for 300 rows"),
     (["data.task_options.min_terms=2"], "data.task_options: only a reasoning_gym:TASK preset takes options"),

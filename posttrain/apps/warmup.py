@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import re
 import shutil
@@ -66,8 +67,8 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
     if d.task != "arithmetic":  # the arithmetic task's keys are those from before there were others
         key_fields["task"].append(d.task)
-    if d.gym_task is not None:
-        key_fields["task"].append([d.preset, d.task_options])
+    if d.gym_task is not None:  # its rows are what that release of reasoning-gym generates
+        key_fields["task"].append([d.preset, d.task_options, importlib.metadata.version("reasoning-gym")])
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:12]
     root = cache_root(cfg)
     out = root / f"warmup-{key}"

@@ -12,8 +12,8 @@ Each row holds:
   (`reference` writes it, `read_reference` reads it back: tuples are kept as tuples, since some scorers compare the
   answer they parse with a tuple in the entry's metadata, arc_agi's board among them).
 
-The held-out split comes from a seed of its own (the embedded task's offset), and no training row repeats one of its questions, as with the
-embedded task.
+The held-out split comes from a seed of its own (the embedded task's offset), and no training row repeats one of its
+questions, as with the embedded task.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ TRIES = 50  # entries drawn per row wanted, at most, before a task is found to h
 
 
 def dataset(task: str, options: dict[str, Any], seed: int = 0, size: int = 1):
-    """reasoning-gym's dataset of `task` under `options`, or a ConfigError naming the key that is wrong."""
+    """reasoning-gym's dataset of `task` under `options`, its first entry drawn (a value of a wrong type may only
+    fail there), or a ConfigError naming the key that is wrong."""
     try:
         import reasoning_gym
         from reasoning_gym.factory import DATASETS
@@ -45,7 +46,9 @@ def dataset(task: str, options: dict[str, Any], seed: int = 0, size: int = 1):
         if key not in known:
             raise ConfigError(f"data.task_options.{key}: {task} has no such option (its options: {', '.join(known)})")
     try:
-        return reasoning_gym.create_dataset(task, **options, seed=seed, size=size)
+        entries = reasoning_gym.create_dataset(task, **options, seed=seed, size=size)
+        entries[0]
+        return entries
     except (AssertionError, TypeError, ValueError) as err:  # the config's own validate(), or a value of a wrong type
         raise ConfigError(f"data.task_options: {task} refuses {options}: {err}") from None
 
@@ -77,10 +80,12 @@ def read_reference(text: str) -> dict[str, Any]:
     return json.loads(text, object_hook=_untagged)
 
 
-def row(task: str, options: dict[str, Any], entry: dict[str, Any]) -> dict[str, str]:
-    """One posttrain row of a reasoning-gym entry (module docstring)."""
-    return {"question": entry["question"], "response": f"#### {entry['answer']}",
-            "reference": reference(task, options, entry)}
+def row(task: str, options: dict[str, Any], entry: dict[str, Any]) -> dict[str, str | None]:
+    """One posttrain row of a reasoning-gym entry (module docstring). A task whose entries hold no answer (its scorer
+    checks a plan or an assignment: boxnet, graph_color, ...) gives no response (None), which a method that trains on
+    responses, or the embedded model's warm-up, refuses in one line."""
+    response = None if entry["answer"] is None else f"#### {entry['answer']}"
+    return {"question": entry["question"], "response": response, "reference": reference(task, options, entry)}
 
 
 def split(task: str, options: dict[str, Any], seed: int, size: int, exclude: set[str] = frozenset(),

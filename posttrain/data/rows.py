@@ -136,7 +136,12 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
         return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand,
                                      cfg.task)
     if cfg.gym_task is not None:
-        return gym.task_splits(cfg.gym_task, cfg.task_options, cfg.seed, cfg.train_size, cfg.test_size)
+        train, test = gym.task_splits(cfg.gym_task, cfg.task_options, cfg.seed, cfg.train_size, cfg.test_size)
+        if cfg.response_field in fields and any(r[cfg.response_field] is None for r in train):
+            raise DataError(f"data.preset: {cfg.preset}'s entries hold no answer to train on (its scorer checks the "
+                            "model's own); SFT and the embedded model's warm-up need one: give model.path and an "
+                            "online method")
+        return train, test
     answer = {cfg.answer_field: reference} if reference is not None else {}
     train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
     if cfg.test_path is None:  # hold out the tail, so evaluation never sees a training row

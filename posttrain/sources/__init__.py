@@ -37,5 +37,7 @@ def run_splits(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
     score."""
     source = SOURCES.find(algorithm_of(cfg).source)
     reference = functools.partial(reference_problem, answer_format=cfg.data.answer_format)
-    return load_splits(cfg.data, source.row_fields(cfg.data), cfg.eval.num_problems, reference,
-                       judged=source.judges_rows(cfg))
+    fields = source.row_fields(cfg.data)
+    if cfg.model.path is None and cfg.data.gym_task is not None:  # the embedded model warms up on these rows' answers
+        fields = [*fields, cfg.data.response_field]
+    return load_splits(cfg.data, fields, cfg.eval.num_problems, reference, judged=source.judges_rows(cfg))

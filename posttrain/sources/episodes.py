@@ -132,8 +132,7 @@ class Episodes:
                 e.errors += 1
                 reply = environments.Reply(text=f"error: the environment failed ({outcome.error})")
             e.reward += float(reply.reward)
-            if e.turn_rewards and e.turn_ends[-1] == len(e.ids) - 1:  # the turn just sampled (an empty one has none)
-                e.turn_rewards[-1] += float(reply.reward)
+            e.turn_rewards[-1] += float(reply.reward)  # the turn just sampled: one the environment reads is not empty
             for k, v in reply.info.items():
                 e.info[k] = e.info.get(k, 0.0) + float(v)
             if ended or reply.done:

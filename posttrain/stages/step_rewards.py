@@ -24,9 +24,10 @@ from posttrain.stages.base import Judged, Stage
 TURN_REWARD, TURN_END = "turn_reward", "turn_end"  # each turn's reward at its last token; 1.0 there
 
 
-def outcome_on_last_turn(turn_reward: torch.Tensor, turn_end: torch.Tensor, outcome: torch.Tensor) -> torch.Tensor:
+def outcome_on_last_turn(turn_reward: torch.Tensor, turn_end: torch.Tensor,
+                         outcome: torch.Tensor) -> torch.Tensor:
     """[B, R] turn rewards with each row's [B] outcome added at its last turn's end, so that a row's steps sum to its
-    whole reward (an episode whose first turn was empty has no turn, and its outcome no step)."""
+    reward as judged (an episode whose first turn was empty has no turn, and its outcome no step)."""
     last = turn_end.cumsum(1).argmax(1)  # [B] the first column where the count of ends peaks: the last end
     has = turn_end.bool().any(1)  # [B]
     out = turn_reward.clone()
@@ -44,10 +45,16 @@ class StepRewards(Stage):
     def check(cfg, plugin) -> None:
         process = cfg.rewards.process
         if "step_reward" in plugin.needs(cfg.algorithm) and process == "none":
+            if cfg.env.name is not None:
+                raise ConfigError(f"rewards.process: {plugin.name} trains on step rewards; set rewards.process=turns "
+                                  "(each turn of an episode a step)")
             raise ConfigError(f"rewards.process: {plugin.name} trains on step rewards; set rewards.process=steps (the "
                               "embedded task's rule) or model (a process reward model at reward_model.process_path)")
         if process == "turns" and cfg.env.name is None:
             raise ConfigError("rewards.process: turns are an episode's; set env.name (an environment)")
+        if process == "turns" and cfg.rollout.elite_pool:
+            raise ConfigError("rollout.elite_pool: a replayed elite would keep none of its turns' rewards (they are "
+                              "put on the tokens as the episode is sampled); use it without rewards.process=turns")
         if process == "model" and not cfg.reward_model.process_path:
             raise ConfigError("reward_model.process_path: rewards.process=model needs a process reward model "
                               "directory")
@@ -60,7 +67,8 @@ class StepRewards(Stage):
         t0 = time.perf_counter()
         batch = judged.batch
         if TURN_REWARD in batch.extra:  # rewards.process=turns: the steps are already on the tokens
-            batch.extra["step_reward"], batch.extra["step_end"] = batch.extra.pop(TURN_REWARD), batch.extra.pop(TURN_END)
+            batch.extra["step_reward"] = batch.extra.pop(TURN_REWARD)
+            batch.extra["step_end"] = batch.extra.pop(TURN_END)
             return judged
         steps = self.score_steps(judged.rows, judged.texts)
         batch.extra["step_reward"], batch.extra["step_end"] = step_tensors(self.tokenizer, batch, judged.texts, steps)
