@@ -11,7 +11,6 @@ from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY
 
 from posttrain.core.schedules import TEMPERATURE_GAIN, adapted_temperature
-from posttrain.core.threads import usable_cores
 from posttrain.data.difficulty import ALPHA, PassRates, group_sizes, wanted_size
 
 
@@ -86,8 +85,10 @@ def test_hf_engine_samples_its_own_group_size_per_prompt(tiny_model_dir):
         engine.generate(prompts, [2, 2], max_new_tokens=2)
 
 
-# The thread count pinned: fitted to the load, it could change the last bits of a reduction between the runs compared
-PINNED = f"train.threads={usable_cores()}"
+# One thread, pinned: fitted to the load, the count could change the last bits of a reduction between the runs
+# compared, and even pinned at 2 threads a run's step under heavy load (CI's background install) once computed
+# entropy and the sampler's log-probs differently in the last bits (2 CPU cores, AVX2 kernels).
+PINNED = "train.threads=1"
 RUN = [PINNED, "recipe=grpo_math", "train.steps=8", "train.batch_size=3", "algorithm.group_size=3", "train.save_every=1",
        "rollout.max_new_tokens=6", "eval.num_problems=0", *EASY[:1], "data.train_size=6", "data.test_size=4",
        "rollout.adaptive_group_size=true", "rollout.min_group_size=2", "rollout.max_group_size=5",
