@@ -108,6 +108,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     }[tp](value)
     if value is None:  # `key=` on the command line, or `key:` in a recipe
         raise ConfigError(f"{key}: empty; give a value ({_type_name(tp)}), e.g. {key}=...")
+    if not ok and tp is str and isinstance(value, dict) and len(value) == 1 and None in value.values():
+        raise ConfigError(f"{key}: '{next(iter(value))}:' ends with a colon, which YAML reads as a mapping, not a "
+                          "string; give what follows the colon")
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if tp is int and not -INT_LIMIT < value < INT_LIMIT:

@@ -51,6 +51,8 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", [f"train.lr={10**400}"], "train.lr: must be a finite number, got inf"),
     ("grpo_math", [f"train.steps={10**23}"], f"train.steps: {10**23} is out of range"),
     ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),
+    ("grpo_math", ["data.preset=reasoning_gym:"], "data.preset: 'reasoning_gym:' ends with a colon, which YAML reads "
+                                                 "as a mapping, not a string; give what follows the colon"),
     ("grpo_math", ["data.template=nothing"], "data.template: must contain {prompt}"),
     ("grpo_math", ["rewards.foo=1"], "rewards.foo: unknown reward 'foo'"),
     ("grpo_math", ["rollout.engine=hff"], "rollout.engine: unknown rollout engine 'hff'; did you mean 'hf'?"),
