@@ -1,7 +1,7 @@
 """Sampling apart from the trainer: throughput, idle time and accuracy of `rollout.placement=separate` at
 max_staleness k = 0, 1, 2 against the colocated synchronous run.
 
-    python bench/async.py                                   # both variants, 3 seeds of accuracy; ~40 min on 2 cores
+    python bench/async.py                                   # both variants, 3 seeds of accuracy; ~55 min on 2 cores
     python bench/async.py --variants long-completions --seeds 0 --steps 12
 
 Variants:
@@ -20,8 +20,11 @@ metrics.jsonl it reports, over the steps after the first (which pays one-time co
   spent sampling, when the trainer does nothing else); the worker's, Σ time/worker_idle over it;
 - the mean staleness of the trained rows, and the mean completion length (response).
 With `--seeds` of two or more, it also runs the embedded variant's whole recipe (all its steps) per seed and
-configuration, and reports the held-out accuracy after training (eval_after, greedy, 500 problems): mean, and the
-spread (max − min) over the seeds (k = 0 is left out there: it samples as the colocated run does).
+`--accuracy` configuration, and reports the held-out accuracy after training (eval_after, greedy, 500 problems): mean,
+and the spread (max − min) over the seeds. Two configurations are for accuracy only: `k=1-seq`, k = 1 corrected per
+sequence (`rollout.tis_mode=sequence_truncate`), and `lagged-k=1`, the colocated run sampling each batch from the
+weights one update old (bench/lagged.py), which has the staleness of k = 1 without the workers. k = 0 is left out by
+default: it samples as the colocated run does.
 `--timeline FILE.png` plots the busy and idle time of each side for the k = 1 run of the last variant, from the
 clock stamps in its metrics.jsonl.
 """
@@ -45,6 +48,11 @@ VARIANTS = {
 CONFIGS = {"colocated": [], "k=0": ["rollout.placement=separate"],
            "k=1": ["rollout.placement=separate", "rollout.max_staleness=1"],
            "k=2": ["rollout.placement=separate", "rollout.max_staleness=2"]}
+# accuracy only: k = 1 with the sequence-level correction, and the colocated run sampling from weights one update
+# old (bench/lagged.py: staleness without the workers)
+ACCURACY = {"k=1-seq": [*CONFIGS["k=1"], "rollout.tis_mode=sequence_truncate"],
+            "lagged-k=1": ["rollout.tis_cap=2"]}
+LAUNCH = {"lagged-k=1": [str(HERE / "lagged.py"), "1"]}  # what runs instead of `python -m posttrain`
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,13 +61,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--steps", type=int, default=16, help="steps of each throughput run")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the accuracy runs (one: none)")
+    p.add_argument("--accuracy", default=",".join(["colocated", "k=1", "k=2", *ACCURACY]),
+                   help="comma-separated configurations of the accuracy runs: " + ", ".join([*CONFIGS, *ACCURACY]))
     p.add_argument("--timeline", type=Path, help="a PNG of each side's busy and idle time (k=1, last variant)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [c for c in args.accuracy.split(",") if c not in {**CONFIGS, **ACCURACY}]
+    if unknown:
+        p.error(f"--accuracy: no configuration {unknown[0]!r}")
+    return args
 
 
-def run(args: list[str], out: Path) -> list[dict]:
-    """One `posttrain run`; its metrics.jsonl lines."""
-    cmd = [sys.executable, "-m", "posttrain", "run", *args, f"output_dir={out}", "overwrite=true", "-q"]
+def run(args: list[str], out: Path, config: str = "") -> list[dict]:
+    """One `posttrain run` (bench/lagged.py's for its configuration); its metrics.jsonl lines."""
+    launch = LAUNCH.get(config, ["-m", "posttrain"])
+    cmd = [sys.executable, *launch, "run", *args, f"output_dir={out}", "overwrite=true", "-q"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"bench/async.py: {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
@@ -133,11 +148,11 @@ def main() -> None:
             return
         print(f"\nheld-out accuracy after recipe=grpo_math's whole run (greedy, 500 problems), seeds {args.seeds}")
         print(f"{'config':<10} {'mean':>6} {'spread':>7}  per seed")
-        for config in [c for c in configs if c != "k=0"]:  # k=0 samples as colocated does
+        for config in args.accuracy.split(","):
             accuracy = []
             for seed in seeds:
                 out = Path(tmp) / "accuracy" / f"{config}-{seed}"
-                run([*VARIANTS["embedded"], *CONFIGS[config], f"seed={seed}"], out)
+                run([*VARIANTS["embedded"], *{**CONFIGS, **ACCURACY}[config], f"seed={seed}"], out, config)
                 accuracy.append(json.loads((out / "summary.json").read_text())["eval_after"]["accuracy"])
             print(f"{config:<10} {statistics.mean(accuracy):>6.3f} {max(accuracy) - min(accuracy):>7.3f}  "
                   + " ".join(f"{a:.3f}" for a in accuracy), flush=True)
