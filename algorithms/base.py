@@ -35,6 +35,8 @@ class Algorithm:
             `posttrain estimate` reads it, to count one by default.
         kl_penalty: the config's `beta` weighs a KL penalty to the reference, which `train.beta_schedule` may vary
             step by step (DPO's β is a temperature of its loss, not such a weight).
+        clips_ratio: the method's GC clips a ratio π_θ / π_old (PPO's, GRPO's, GSPO's), so that π_old may be the
+            sampler's own log-probs (`rollout.proximal=sampler`).
         reward_threshold: the config key of a fixed threshold the method compares each reward with (Online RFT's
             `threshold`), or None where only the rewards' differences matter. A z-scored reward
             (`rewards.normalize`) has no fixed scale, so such a method refuses it.
@@ -46,6 +48,7 @@ class Algorithm:
     unit: int = 1
     learned_reward: bool = False
     kl_penalty: bool = False
+    clips_ratio: bool = False
     reward_threshold: str | None = None
 
     @staticmethod

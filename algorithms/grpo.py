@@ -116,6 +116,7 @@ class GRPO(Algorithm):
     Config = GRPOConfig
     source = "online"
     kl_penalty = True
+    clips_ratio = True
 
     @classmethod
     def sized_config(cls, kl_weight: float, group: int) -> GRPOConfig:

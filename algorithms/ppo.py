@@ -102,6 +102,7 @@ class PPO(Algorithm):
     source = "online"
     learned_reward = True
     kl_penalty = True
+    clips_ratio = True
 
     @classmethod
     def sized_config(cls, kl_weight: float, group: int) -> PPOConfig:

@@ -21,9 +21,10 @@ metrics.jsonl it reports, over the steps after the first (which pays one-time co
 - the mean staleness of the trained rows, and the mean completion length (response).
 With `--seeds` of two or more, it also runs the embedded variant's whole recipe (all its steps) per seed and
 `--accuracy` configuration, and reports the held-out accuracy after training (eval_after, greedy, 500 problems): mean,
-and the spread (max − min) over the seeds. Two configurations are for accuracy only: `k=1-seq`, k = 1 corrected per
-sequence (`rollout.tis_mode=sequence_truncate`), and `lagged-k=1`, the colocated run sampling each batch from the
-weights one update old (bench/lagged.py), which has the staleness of k = 1 without the workers. k = 0 is left out by
+and the spread (max − min) over the seeds. Three configurations are for accuracy only: `k=1-trainer` and `k=1-seq`,
+k = 1 with the truncated importance weight per token or per sequence (`rollout.proximal=trainer`) in place of the
+default correction, and `lagged-k=1`, the colocated run sampling each batch from the weights one update old
+(bench/lagged.py, truncated weight), which has the staleness of k = 1 without the workers. k = 0 is left out by
 default: it samples as the colocated run does.
 `--timeline FILE.png` plots the busy and idle time of each side for the k = 1 run of the last variant, from the
 clock stamps in its metrics.jsonl.
@@ -48,9 +49,11 @@ VARIANTS = {
 CONFIGS = {"colocated": [], "k=0": ["rollout.placement=separate"],
            "k=1": ["rollout.placement=separate", "rollout.max_staleness=1"],
            "k=2": ["rollout.placement=separate", "rollout.max_staleness=2"]}
-# accuracy only: k = 1 with the sequence-level correction, and the colocated run sampling from weights one update
-# old (bench/lagged.py: staleness without the workers)
-ACCURACY = {"k=1-seq": [*CONFIGS["k=1"], "rollout.tis_mode=sequence_truncate"],
+# accuracy only: k = 1 with the truncated importance weight in place of the default correction (PPO's clip against
+# the sampler), per token and per sequence, and the colocated run sampling from weights one update old with the
+# truncated weight (bench/lagged.py: staleness without the workers)
+ACCURACY = {"k=1-trainer": [*CONFIGS["k=1"], "rollout.proximal=trainer"],
+            "k=1-seq": [*CONFIGS["k=1"], "rollout.tis_mode=sequence_truncate"],
             "lagged-k=1": ["rollout.tis_cap=2"]}
 LAUNCH = {"lagged-k=1": [str(HERE / "lagged.py"), "1"]}  # what runs instead of `python -m posttrain`
 
@@ -61,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--steps", type=int, default=16, help="steps of each throughput run")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the accuracy runs (one: none)")
-    p.add_argument("--accuracy", default=",".join(["colocated", "k=1", "k=2", *ACCURACY]),
+    p.add_argument("--accuracy", default="colocated,k=1,k=2,k=1-trainer,lagged-k=1",
                    help="comma-separated configurations of the accuracy runs: " + ", ".join([*CONFIGS, *ACCURACY]))
     p.add_argument("--timeline", type=Path, help="a PNG of each side's busy and idle time (k=1, last variant)")
     args = p.parse_args(argv)

@@ -498,6 +498,8 @@ MUTANTS = [
       "(log_ratio * mask).sum(-1, keepdim=True)", "(log_ratio * mask).mean(-1, keepdim=True)"),
     m("tis-not-applied", TRAIN, "Engine.coefficient", "weight computed, GC left alone", "return gc * weight, m",
       "return gc, m"),
+    m("proximal-sampler-ignored", TRAIN, "Engine.for_plugin", "the ratio still taken against the trainer's π_old",
+      "return dataclasses.replace(mb, old_logp=mb.rollout_logp)", "return mb"),
     m("mismatch-k1", TRAIN, "mismatch_sums", "k1 (can be negative) instead of k3", "k3 = (d.exp() - 1 - d) * mask",
       "k3 = -d * mask"),
     # posttrain/models/gated_mlp.py: the two-activation backward; posttrain/models/lora.py and the engine: LoRA

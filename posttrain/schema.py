@@ -252,12 +252,19 @@ class RolloutConfig(Freezable):
     tis_cap: float | None = None
     """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
     ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
-    2025), bounded by this cap C as `tis_mode` says; null: off, except under placement=separate with max_staleness
-    ≥ 1, where stale samples are always corrected, with C = 2 unless given (docs/async.md)."""
+    2025), bounded by this cap C as `tis_mode` says; null: off, except where samples may be stale (placement=separate,
+    max_staleness ≥ 1) and `proximal` is trainer: there C = 2 (docs/async.md)."""
     tis_mode: str = "token_truncate"
     """How tis_cap bounds the ratio: token_truncate, min(ρ_t, C) per token; token_mask, ρ_t, or 0 where ρ_t > C;
     sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
     whole sequence where ρ > C (docs/unified_view.md)."""
+    proximal: str | None = None
+    """π_old of the clipped ratio of PPO, GRPO and GSPO: trainer, the trainer's log-probs under the weights at the
+    batch's start, with tis_cap's weight for the sampler's difference from them (the decoupled objective); sampler,
+    the log-probs the rollout engine reported, so that the ratio itself weights each token by π_θ / π_rollout and its
+    clip bounds how far an update moves a token from the policy that sampled it (PPO's own objective; no tis_cap).
+    null: sampler where samples may be stale (placement=separate, max_staleness ≥ 1) for a method with a clipped
+    ratio, unless tis_cap, tis_mode or elite_pool is given; else trainer. docs/async.md compares them on stale samples."""
     gpu_memory_utilization: float = 0.3
     """vllm: the share of the GPU's memory vLLM takes for its weights and KV cache (on CPU: see kv_cache_gb)."""
     kv_cache_gb: float | None = None
@@ -328,13 +335,21 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
-        if self.tis_cap is None and self.placement == "separate" and self.max_staleness > 0:
-            self.tis_cap = STALE_TIS_CAP  # stale samples are never trained on as if fresh
+        if self.proximal is not None and self.proximal not in PROXIMAL:
+            raise ConfigError(f"proximal: unknown {self.proximal!r}; known: {', '.join(PROXIMAL)}")
+        if self.proximal == "sampler" and (self.tis_cap is not None or self.tis_mode != "token_truncate"):
+            key = "tis_cap" if self.tis_cap is not None else "tis_mode"
+            raise ConfigError(f"{key}: with proximal=sampler the clipped ratio already weights each token by "
+                              f"π_θ / π_rollout; drop {key}, or use proximal=trainer")
+        if self.proximal == "sampler" and self.elite_pool:
+            raise ConfigError("proximal: sampler takes the ratio against each row's sampler, and an elite pool's "
+                              "replayed rows are weighted against theirs by elite_is_cap; use proximal=trainer")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
         if self.tis_mode not in TIS_MODES:
             raise ConfigError(f"tis_mode: unknown {self.tis_mode!r}; known: {', '.join(TIS_MODES)}")
-        if self.tis_mode != "token_truncate" and self.tis_cap is None:
+        stale = self.placement == "separate" and self.max_staleness > 0  # tis_cap then defaults to 2 (config.py)
+        if self.tis_mode != "token_truncate" and self.tis_cap is None and not stale:
             raise ConfigError(f"tis_mode: {self.tis_mode} bounds the ratio by tis_cap, which is off (null); give "
                               "rollout.tis_cap=C")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -561,6 +576,7 @@ class RewardModelConfig(Freezable):
 
 
 PLACEMENTS = ("colocated", "separate")  # rollout.placement
+PROXIMAL = ("trainer", "sampler")  # rollout.proximal
 STALE_TIS_CAP = 2.0  # rollout.tis_cap where samples may be stale and none is given
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
 PROCESS_REWARDS = ("none", "steps", "model", "turns")  # rewards.process: where step rewards come from

@@ -51,6 +51,12 @@ def test_recipe_by_path(tmp_path):
     ("grpo_math", [f"train.lr={10**400}"], "train.lr: must be a finite number, got inf"),
     ("grpo_math", [f"train.steps={10**23}"], f"train.steps: {10**23} is out of range"),
     ("grpo_math", ["train.steps"], "override 'train.steps': expected key=value"),
+    ("grpo_math", ["rollout.proximal=old"], "rollout.proximal: unknown 'old'; known: trainer, sampler"),
+    ("grpo_math", ["rollout.proximal=sampler", "rollout.tis_cap=2"],
+     "rollout.tis_cap: with proximal=sampler the clipped ratio already weights each token by π_θ / π_rollout"),
+    ("grpo_math", ["rollout.proximal=sampler", "rollout.elite_pool=4"], "rollout.proximal: sampler takes the ratio "),
+    ("online_rft_math", ["rollout.proximal=sampler"], "rollout.proximal: sampler is the π_old of a clipped ratio, "
+                                                      "which online_rft has not"),
     ("grpo_math", ["data.preset=reasoning_gym:"], "data.preset: 'reasoning_gym:' ends with a colon, which YAML reads "
                                                  "as a mapping, not a string; give what follows the colon"),
     ("grpo_math", ["data.template=nothing"], "data.template: must contain {prompt}"),
@@ -121,3 +127,23 @@ def test_the_validated_config_is_read_only():
             setattr(group, key, getattr(group, key))
     changed = dataclasses.replace(cfg.algorithm, beta=0.1)
     assert changed.beta == 0.1 and cfg.algorithm.beta == 0.04
+
+
+@pytest.mark.parametrize("recipe, given, proximal, tis_cap", [
+    ("grpo_math", [], "sampler", None),  # the clipped ratio against the sampler is the correction
+    ("ppo_math", [], "sampler", None),
+    ("grpo_math", ["rollout.tis_cap=3"], "trainer", 3.0),  # the truncated weight, as given
+    ("grpo_math", ["rollout.tis_mode=sequence_truncate"], "trainer", 2.0),
+    ("grpo_math", ["rollout.elite_pool=4"], "trainer", 2.0),
+    ("grpo_math", ["rollout.proximal=trainer"], "trainer", 2.0),
+    ("online_rft_math", [], "trainer", 2.0),  # no clipped ratio: the truncated weight
+])
+def test_stale_samples_are_corrected_one_way_by_default(recipe, given, proximal, tis_cap):
+    """At max_staleness ≥ 1 stale samples are never trained on as if fresh: a method with a clipped ratio takes it
+    against the sampler's log-probs unless the truncated weight is asked for (tis_cap, tis_mode) or an elite pool needs
+    it; the others get the truncated weight, C = 2. Synchronous runs keep the trainer's π_old and no weight."""
+    stale = ["rollout.placement=separate", "rollout.max_staleness=1"]
+    r = config.load(recipe, [*stale, *given])[0].rollout
+    assert (r.proximal, r.tis_cap) == (proximal, tis_cap)
+    r = config.load(recipe)[0].rollout
+    assert (r.proximal, r.tis_cap) == ("trainer", None)

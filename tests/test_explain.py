@@ -29,7 +29,10 @@ def plan_of(recipe: str, *overrides: str, world: int = 1) -> explain.Plan:
     ("recipe=sft_math", ["rows (train.batch_size)", "data.max_response_len", "fixed data"]),
     ("recipe=ppo_math rollout.placement=separate rollout.max_staleness=2",  # 2 steps of 4 optimizer steps ahead
      ["rollout workers  frozen", "up to 8 optimizer steps behind", "the last is 11 optimizer steps behind",
-      "rollout.tis_cap=2, token_truncate"]),
+      "the clipped ratio is taken against the log-probs the sampler reported",
+      "the clipped ratio's π_old is the sampler's log-probs"]),
+    ("recipe=ppo_math rollout.placement=separate rollout.max_staleness=1 rollout.proximal=trainer",
+     ["up to 4 optimizer steps behind", "rollout.tis_cap=2, token_truncate", "old_logp) are scored before the first"]),
 ])
 def test_explain_prints_the_plan(recipe, lines, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -213,7 +213,7 @@ def test_importance_weighted_gradient_matches_the_weighted_objective(mode, sprea
     prepared, _ = GRPO.prepare(batch, cfg)
     engine = Engine.__new__(Engine)  # only what Engine.coefficient reads
     engine.plugin, engine.algorithm, engine.mismatch = GRPO, cfg, torch.zeros(3)
-    engine.tis_cap, engine.tis_mode = cap, tis_mode
+    engine.tis_cap, engine.tis_mode, engine.proximal = cap, tis_mode, "trainer"
 
     x = logp.clone().requires_grad_(True)
     gc, metrics = engine.coefficient(prepared, x.detach())
@@ -228,6 +228,36 @@ def test_importance_weighted_gradient_matches_the_weighted_objective(mode, sprea
     assert not torch.allclose(got, objective_grad(objective, logp))  # the weights changed the gradient
     assert 0 < metrics["mismatch/tis_capped"] < 1  # some tokens capped, some not: the cap is exercised
     if batch.old_logp is None:  # the step's only update: this forward is where the mismatch is measured
+        assert engine.mismatch[1] == batch.mask.sum() and engine.mismatch[0] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spread", [0.0, 0.4], ids=["mu1", "old-logp-from-the-trainer"])
+def test_ratio_against_the_sampler_matches_the_clipped_objective_on_its_logprobs(mode, spread):
+    """rollout.proximal=sampler: the engine's GC is autograd's on Eq. 3 + Eq. 4 with π_old the log-probs the rollout
+    engine reported (PPO's own objective on the sampler's samples), whatever the trainer scored as π_old; the clip
+    acts on the tokens the sampler is far from, and the mismatch is still measured against the trainer."""
+    from posttrain.train.engine import Engine
+
+    cfg, norm = GRPOConfig(group_size=3, beta=0.04), 4.0
+    batch, logp = random_batch(spread=spread)
+    g = torch.Generator().manual_seed(2)
+    batch.rollout_logp = (logp + 0.5 * torch.randn(logp.shape, generator=g)) * batch.mask  # an older policy
+    prepared, _ = GRPO.prepare(batch, cfg)
+    engine = Engine.__new__(Engine)  # only what Engine.coefficient reads
+    engine.plugin, engine.algorithm, engine.mismatch = GRPO, cfg, torch.zeros(3)
+    engine.tis_cap, engine.tis_mode, engine.proximal = None, "token_truncate", "sampler"
+
+    x = logp.clone().requires_grad_(True)
+    gc, metrics = engine.coefficient(prepared, x.detach())
+    (got,) = torch.autograd.grad(-aggregate(gc.detach() * x, prepared.mask, mode, norm=norm), x)
+
+    on_sampler = dataclasses.replace(batch, old_logp=batch.rollout_logp)
+    torch.testing.assert_close(got, objective_grad(paper_objective(on_sampler, cfg, mode, norm), logp),
+                               atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, objective_grad(paper_objective(batch, cfg, mode, norm), logp))  # π_old changed
+    assert 0 < metrics["clip_frac"] < 1  # the clip acts on some tokens, not all
+    if batch.old_logp is None:
         assert engine.mismatch[1] == batch.mask.sum() and engine.mismatch[0] > 0
 
 

@@ -156,7 +156,7 @@ def scored_batch(spread: float):
 def engine(cfg, tis_cap, elite_cap) -> Engine:
     e = Engine.__new__(Engine)  # only what Engine.coefficient reads
     e.plugin, e.tis_cap, e.tis_mode, e.mismatch, e.elite_sums = GRPO, tis_cap, "token_truncate", torch.zeros(3), torch.zeros(2)
-    e.algorithm, e.cfg = cfg, SimpleNamespace(rollout=SimpleNamespace(elite_is_cap=elite_cap))
+    e.algorithm, e.cfg, e.proximal = cfg, SimpleNamespace(rollout=SimpleNamespace(elite_is_cap=elite_cap)), "trainer"
     return e
 
 

@@ -332,16 +332,25 @@ def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
     ahead = r.max_staleness * plan.updates_per_step  # optimizer steps the workers may sample ahead
     behind = ahead + plan.updates_per_step - 1
     words = ["the step's first optimizer step trains on samples of the policy it updates (on-policy)"]
+    correction = (f"each token's GC is weighted by the truncated importance ratio (rollout.tis_cap={r.tis_cap:g}, "
+                  f"{r.tis_mode})" if r.tis_cap is not None else "")
+    if r.proximal == "sampler":
+        correction = ("the clipped ratio is taken against the log-probs the sampler reported (rollout.proximal="
+                      "sampler): it weights each token by π_θ / π_rollout and stops pushing a token that moved past "
+                      "its clip")
     if ahead:
         words = [f"rollout.max_staleness={r.max_staleness}: the workers sample up to {_n(r.max_staleness, 'step')} "
                  f"ahead, so the step's first optimizer step trains on samples of a policy up to "
-                 f"{_n(ahead, 'optimizer step')} behind the one it updates; each token's GC is weighted by the "
-                 f"truncated importance ratio (rollout.tis_cap={r.tis_cap:g}, {r.tis_mode})"]
+                 f"{_n(ahead, 'optimizer step')} behind the one it updates; {correction}"]
+    elif r.proximal == "sampler":
+        words.append(correction)
     if plan.updates_per_step > 1:
         words.append(f"each later one is one step further behind: the last is {_n(behind, 'optimizer step')} behind "
                      f"({f'{ahead} + ' if ahead else ''}μ={plan.epochs} × "
-                     f"{_n(len(plan.minibatch_rows), 'minibatch')} − 1); the sampling policy's "
-                     "log-probs (old_logp) are scored before the first, for the clipped ratio")
+                     f"{_n(len(plan.minibatch_rows), 'minibatch')} − 1); " + (
+                         "the clipped ratio's π_old is the sampler's log-probs" if r.proximal == "sampler" else
+                         "the sampling policy's log-probs (old_logp) are scored before the first, for the clipped "
+                         "ratio"))
     if r.elite_pool:
         words.append("replayed elite completions were drawn by the policy of an earlier step, any number of steps "
                      f"behind; their GC is weighted by min(π_old / μ, rollout.elite_is_cap={r.elite_is_cap:g})")

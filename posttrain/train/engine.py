@@ -69,6 +69,7 @@ class Engine:
         self.producer = None  # rollout.placement=separate: the thread that makes batches ahead (train/producer.py)
         self.episodes = None  # env.name: the Episodes the source and the evaluation sample with (sources/episodes.py)
         self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
+        self.proximal = cfg.rollout.proximal
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
         self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
         self.micro_tokens = t.micro_batch_tokens  # None: micro-batches of self.micro rows
@@ -191,7 +192,7 @@ class Engine:
                     m = {**m, **cm, "critic_loss": critic_loss * real}
             loss_sum += loss.detach()
             with torch.no_grad():  # logged only: the gradient, and so the weights, are the loss's alone
-                objective = self.plugin.objective(mb, logp.detach(), algorithm)  # [b, R]
+                objective = self.plugin.objective(self.for_plugin(mb), logp.detach(), algorithm)  # [b, R]
                 objective_sum += aggregate(objective, mb.mask, self.mode, totals, self.norm)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0) + v.detach() / real
@@ -212,8 +213,9 @@ class Engine:
         """GC of each token of a micro-batch ([b, R]) and the plugin's metrics: the plugin's GC, times the importance
         weight of `rollout.tis_cap` and `tis_mode` when the cap is set and the rollout engine reported its log-probs; on
         rows replayed from an elite pool (stages/elite.py), times V-trace's min(π_old / μ, rollout.elite_is_cap)
-        instead."""
-        gc, m = self.plugin.coefficient(mb, logp, self.algorithm)  # [b, R]
+        instead. Under `rollout.proximal=sampler` the plugin's π_old is the sampler's log-probs (`for_plugin`), whose
+        ratio carries the importance weight (tis_cap is then off)."""
+        gc, m = self.plugin.coefficient(self.for_plugin(mb), logp, self.algorithm)  # [b, R]
         if mb.rollout_logp is None:
             return gc, m
         # log π_trainer under the weights that sampled: old_logp, or this forward when it is the step's only update
@@ -235,6 +237,16 @@ class Engine:
             on = mb.mask * replayed[:, None]  # [b, R] replayed tokens
             self.elite_sums += torch.stack([(elite * on).sum(), on.sum()]).detach()  # the step's, for elite/is_weight
         return gc * weight, m
+
+    def for_plugin(self, mb: Batch) -> Batch:
+        """The micro-batch as the plugin's GC and objective see it: under `rollout.proximal=sampler`, with the log-probs
+        the rollout engine reported as π_old (the plugin's `prepare`, PPO's KL reward among it, kept the trainer's)."""
+        if self.proximal != "sampler":
+            return mb
+        if mb.rollout_logp is None:
+            raise TrainingError("rollout.proximal: sampler takes π_old from the log-probs the rollout engine reports, "
+                                "and this batch has none")
+        return dataclasses.replace(mb, old_logp=mb.rollout_logp)
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
         """One optimizer step (policy, and critic if any) on the gradient of the whole batch.
