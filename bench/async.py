@@ -1,7 +1,7 @@
 """Sampling apart from the trainer: throughput, idle time and accuracy of `rollout.placement=separate` at
 max_staleness k = 0, 1, 2 against the colocated synchronous run.
 
-    python bench/async.py                                   # both variants, 3 seeds of accuracy; ~55 min on 2 cores
+    python bench/async.py                                   # both variants, 3 seeds of accuracy; ~55 min on 2 cores (AVX-512 with AMX)
     python bench/async.py --variants long-completions --seeds 0 --steps 12
 
 Variants:

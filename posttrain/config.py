@@ -82,11 +82,10 @@ def stale_correction(r, plugin) -> None:
     objective, which kept the synchronous run's accuracy at k = 1 where the truncated weight did not: docs/async.md);
     another method, or a run that gives tis_cap, tis_mode or an elite pool, gets the truncated importance weight,
     C = 2 unless given. Elsewhere π_old is the trainer's."""
-    stale = r.placement == "separate" and r.max_staleness > 0
     if r.proximal is None:
         chosen = r.tis_cap is not None or r.tis_mode != "token_truncate" or r.elite_pool  # the weight's road
-        r.proximal = "sampler" if stale and plugin.clips_ratio and not chosen else "trainer"
-    if stale and r.proximal == "trainer" and r.tis_cap is None:
+        r.proximal = "sampler" if r.stale and plugin.clips_ratio and not chosen else "trainer"
+    if r.stale and r.proximal == "trainer" and r.tis_cap is None:
         r.tis_cap = STALE_TIS_CAP
 
 

@@ -328,6 +328,11 @@ class RolloutConfig(Freezable):
     weight_bucket_mb: float = 64.0
     """separate: weights travel to the workers in buckets of at most this many MiB (a larger tensor goes alone)."""
 
+    @property
+    def stale(self) -> bool:
+        """Samples may be older than the weights they train (separate placement, max_staleness ≥ 1)."""
+        return self.placement == "separate" and self.max_staleness > 0
+
     def __post_init__(self):
         if self.temperature <= 0:
             raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
@@ -348,8 +353,7 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
         if self.tis_mode not in TIS_MODES:
             raise ConfigError(f"tis_mode: unknown {self.tis_mode!r}; known: {', '.join(TIS_MODES)}")
-        stale = self.placement == "separate" and self.max_staleness > 0  # tis_cap then defaults to 2 (config.py)
-        if self.tis_mode != "token_truncate" and self.tis_cap is None and not stale:
+        if self.tis_mode != "token_truncate" and self.tis_cap is None and not self.stale:  # else C = 2 (config.py)
             raise ConfigError(f"tis_mode: {self.tis_mode} bounds the ratio by tis_cap, which is off (null); give "
                               "rollout.tis_cap=C")
         if not 0 < self.gpu_memory_utilization <= 1:
