@@ -286,15 +286,15 @@ def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path, backend):
 
 
 @needs_vllm
-def test_separate_workers_on_vllm_take_weight_pushes(tmp_path):
+def test_separate_workers_on_vllm_take_weight_pushes(model_dir, tmp_path):
     """`rollout.placement=separate` with `rollout.engine=vllm`: a worker process runs vLLM on its own copy of the
     weights and takes a numbered version after every update (bucketed over its gloo group) while the next batch is
-    sampled one version ahead (after a warm-up of 40 steps, not 250). Asserted first: the worker really ran vLLM,
-    in another process."""
+    sampled one version ahead. Asserted first: the worker really ran vLLM, in another process."""
     out = tmp_path / "run"
     proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", "rollout.placement=separate",
-                   "rollout.max_staleness=1", "train.steps=8", "eval.num_problems=20", "warmup.steps=40",
-                   f"output_dir={out}")
+                   "rollout.max_staleness=1", f"model.path={model_dir}", "train.steps=4", "train.batch_size=2",
+                   "algorithm.group_size=4", "rollout.max_new_tokens=8", "eval.num_problems=4", "data.train_size=20",
+                   "data.test_size=4", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and summary["placement"] == "separate"
