@@ -24,7 +24,8 @@ import sys
 # What a command imports only once it runs, not at `import posttrain.train`: transformers' model classes and
 # tokenizers are lazy attributes, and a run reaches torch.distributed.tensor (FSDP2), torch._dynamo (transformers'
 # masks), DeepSpeed (transformers looks for it), sympy (math-verify) and peft (LoRA). Imported here once, they take
-# 2.7 s off every forked run (3.5 s -> 0.8 s for a one-step GRPO run on the tiny model, 2 cores, AVX2 kernels).
+# 2.7 s off every forked run (3.5 s -> 0.8 s for a one-step GRPO run on the tiny model, 2 cores
+# of an AVX-512 with AMX machine capped to AVX2 kernels).
 # DeepSpeed's line at its import ("Setting accelerator to CPU") is then printed here, not by the forked command.
 LAZY = ("transformers.models.llama.modeling_llama", "transformers.models.auto.modeling_auto",
         "transformers.tokenization_utils_fast", "transformers.generation.utils", "torch.distributed.tensor",
