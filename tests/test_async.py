@@ -159,6 +159,9 @@ def ahead(warm_model_dir, tmp_path_factory):
 def test_staleness_1_runs_a_version_ahead_and_never_more(ahead):
     out, _ = ahead
     assert_separate(out)
+    s = summary(out)  # the worker samples with the attention the backend gave the trainer's sampler (on CPU, eager
+    # under bf16), as the worker itself reports it
+    assert s["rollout_workers"]["attention"] == ["sdpa" if s["precision"] == "fp32" else "eager"]
     stale = [m["staleness/max"] for m in metrics(out)]
     assert stale[0] == 0.0 and all(s <= 1.0 for s in stale) and max(stale) == 1.0
     versions = [json.loads(line)["version"] for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -199,6 +202,23 @@ def test_killed_at_staleness_1_trains_every_prompt_exactly_once(warm_model_dir, 
     assert prompts == whole
     assert collections.Counter(p for step in prompts for p in step) == \
         collections.Counter(p for step in whole for p in step)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, k):
+    """At every max_staleness, not only at 0 where the bytes must match: the model's own (SDPA) decodes bf16 up to 1.7x
+    slower on one thread of some CPUs (bench/decode_attention.py). Eager here stands for what the backend chose."""
+    from posttrain import config, rollout
+    from posttrain.models.loading import load
+    from posttrain.train.build import worker_spec
+
+    cfg, _ = config.load("grpo_math", [f"model.path={tiny_model_dir}", *SEPARATE, f"rollout.max_staleness={k}"])
+    policy, tokenizer = load(tiny_model_dir)
+    assert policy.config._attn_implementation == "sdpa"  # the model's own: what a worker would load by itself
+    policy.set_attn_implementation("eager")
+    setup = rollout.Setup(policy=policy, model_path=tiny_model_dir, pad_id=tokenizer.pad_token_id, stop_ids=[0],
+                          sampling=cfg.rollout, precision="bf16-mixed", seed=0, max_seqs=8)
+    assert worker_spec(cfg, setup, "float32").attention == "eager"
 
 
 def test_weights_travel_in_bounded_buckets():

@@ -146,6 +146,9 @@ class SharedPool(RolloutEngine):
     def pids(self) -> list[int]:
         return self.pool.pids() if self.pool is not None else []
 
+    def attentions(self) -> list[str]:
+        return self.pool.attentions() if self.pool is not None else []
+
     def take_idle(self) -> float:
         return self.pool.take_idle() if self.pool is not None else 0.0
 

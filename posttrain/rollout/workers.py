@@ -72,7 +72,7 @@ class WorkerSpec:
     max_seqs: int
     threads: int
     timeout_s: float
-    attention: str | None = None  # the attention implementation to sample with; None: the model's own
+    attention: str | None = None  # the attention implementation to sample with (the trainer's); None: the model's own
 
 
 # -- the worker process -----------------------------------------------------------------------------------------------
@@ -120,8 +120,9 @@ def fault(kind: str, count: int, incarnation: int) -> None:
             time.sleep(3600)
 
 
-def start_engine(spec: WorkerSpec) -> RolloutEngine:
-    """The worker's own engine, on its own copy of the starting policy (built as the trainer builds its sampler)."""
+def start_engine(spec: WorkerSpec) -> tuple[RolloutEngine, str]:
+    """The worker's own engine, on its own copy of the starting policy (built as the trainer builds its sampler), and
+    the attention it samples with as the model reports it (an engine without a module: its name)."""
     from posttrain.models import lora
     from posttrain.models.gated_mlp import lean_gated_mlps
     from posttrain.models.loading import load
@@ -134,9 +135,11 @@ def start_engine(spec: WorkerSpec) -> RolloutEngine:
         lean_gated_mlps(policy)
         if spec.lora is not None:
             policy = lora.hf_model(lora.apply(policy, spec.lora, spec.model_path))
-    return get(spec.engine).start(Setup(policy=policy, model_path=Path(spec.model_path), pad_id=spec.pad_id,
-                                        stop_ids=list(spec.stop_ids), sampling=spec.sampling,
-                                        precision=spec.precision, seed=spec.seed, max_seqs=spec.max_seqs))
+    engine = get(spec.engine).start(Setup(policy=policy, model_path=Path(spec.model_path), pad_id=spec.pad_id,
+                                          stop_ids=list(spec.stop_ids), sampling=spec.sampling,
+                                          precision=spec.precision, seed=spec.seed, max_seqs=spec.max_seqs))
+    config = getattr(lora.hf_model(policy), "config", None) if policy is not None else None
+    return engine, getattr(config, "_attn_implementation", None) or spec.engine
 
 
 GONE = object()  # next_message's answer when the training process has exited
@@ -180,14 +183,14 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         group = dist.ProcessGroupGloo(dist.PrefixStore(prefix(index, incarnation), store), 1, 2, timeout)
-        engine = start_engine(spec)
+        engine, attention = start_engine(spec)
         staging = Staging(engine)
         threading.Thread(target=receive, args=(group, inbox, staging, parent, timeout, incarnation),
                          daemon=True, name="posttrain-weights").start()
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which names this worker
         replies.put(("error", None, one_line(err)))
         return
-    replies.put(("ready", os.getpid()))
+    replies.put(("ready", os.getpid(), attention))
     mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
     idle_since = time.perf_counter()
     for served in itertools.count(1):
@@ -242,6 +245,7 @@ class Worker:
     replies: Any
     group: Any = None  # the gloo group of two, once connected
     pid: int | None = None
+    attention: str | None = None  # what its engine samples with, as the worker reported it
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -369,7 +373,7 @@ class WorkerPool(RolloutEngine):
         w.pid = self._wait(w, "hello", "start")[1]
         w.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix(w.index, w.incarnation), self.store), 0, 2,
                                         self.timeout)
-        self._wait(w, "ready", "load its engine")
+        w.attention = self._wait(w, "ready", "load its engine")[2]
 
     def _restart(self, index: int, incarnation: int, why: str) -> None:
         """Replaces worker `index` (if still incarnation `incarnation`: another thread may have done it) by a new
@@ -489,6 +493,10 @@ class WorkerPool(RolloutEngine):
     def pids(self) -> list[int]:
         """The live workers' process ids."""
         return [w.pid for w in self.workers]
+
+    def attentions(self) -> list[str]:
+        """The attention each live worker samples with, as it reported it."""
+        return [w.attention for w in self.workers]
 
     def take_idle(self) -> float:
         """The workers' idle seconds since the last call."""

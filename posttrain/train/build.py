@@ -150,14 +150,18 @@ def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerPoo
     """The rollout workers of `rollout.placement=separate`, each on its share of the cores (rollout.worker_threads),
     the trainer keeping the rest (`worker_cores`)."""
     r = cfg.rollout
-    threads, cpus = worker_cores(r)
-    spec = WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
+    return WorkerPool(worker_spec(cfg, setup, dtype), r.workers, cpus=worker_cores(r)[1], shared_rng=shared_rng(r),
+                      max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+
+
+def worker_spec(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerSpec:
+    """What each rollout worker builds: the trainer's sampler, on its own copy of the starting policy."""
+    r = cfg.rollout
+    return WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
                       lora=cfg.model.lora if takes_adapter(cfg) else None, sampling=r, pad_id=setup.pad_id,
-                      stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs, threads=threads,
-                      timeout_s=r.worker_timeout_s,
-                      attention=trainer_attention(setup.policy) if r.max_staleness == 0 else None)
-    return WorkerPool(spec, r.workers, cpus=cpus, shared_rng=shared_rng(r), max_restarts=r.max_worker_restarts,
-                      bucket_mb=r.weight_bucket_mb)
+                      stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs,
+                      threads=worker_cores(r)[0], timeout_s=r.worker_timeout_s,
+                      attention=trainer_attention(setup.policy))
 
 
 def takes_adapter(cfg: RunConfig) -> bool:
@@ -189,9 +193,10 @@ def share_workers(cfg: RunConfig, backend: Backend, judge) -> Lanes:
 
 def trainer_attention(policy) -> str | None:
     """The attention the trainer's sampler computes with (the backend chose it for the update's backward: eager for
-    bf16 on CPU). Workers at max_staleness 0 use it too, so that they sample exactly as the colocated run; at k ≥ 1,
-    whose samples are off-policy anyway, they keep the model's own (SDPA), which decodes ~20% faster on one CPU
-    thread and has no backward to be slow in."""
+    bf16 on CPU). Workers sample with it too: at max_staleness 0 so that they sample exactly as the colocated run,
+    and at every k because the model's own (SDPA) is no safe bet for bf16 decoding on CPU: on one thread it took 1.8x
+    as long as eager attention where the CPU has AVX512-BF16 without AMX, though 20% less where it has AMX
+    (docs/async.md)."""
     return getattr(getattr(policy, "config", None), "_attn_implementation", None)
 
 

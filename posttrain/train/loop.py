@@ -160,7 +160,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         saver.final(engine)
         if cfg.rollout.placement == "separate":  # the workers that really ran, and how often one was restarted
             summary["rollout_workers"] = {"workers": len(engine.rollout.workers), "pids": engine.rollout.pids(),
-                                          "requests": engine.rollout.calls, "restarts": engine.rollout.restarts,
+                                          "attention": engine.rollout.attentions(), "requests": engine.rollout.calls,
+                                          "restarts": engine.rollout.restarts,
                                           "max_staleness": cfg.rollout.max_staleness}
         summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
                        memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
