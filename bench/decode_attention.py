@@ -24,10 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_rows import model_of, sample  # noqa: E402 - the same variants, prompts and timed decode
-
-from posttrain.core.batch import left_pad  # noqa: E402
-from posttrain.models.loading import stop_token_ids  # noqa: E402
+from decode_rows import sample, setup_of  # noqa: E402 - the same variants, prompts and timed decode
 
 ATTENTION = ("eager", "sdpa")
 
@@ -47,11 +44,8 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            model, tok, budget = model_of(variant, Path(tmp))
-            model.eval()
-            prompts = [tok(f"Q: What is {17 * i + 5} + {29 * i + 11}?\nA: ")["input_ids"] for i in range(8)]
-            ids, mask = left_pad([p for p in prompts for _ in range(8)], tok.pad_token_id)
-            setup = (model, ids, mask, budget, stop_token_ids(model, tok), tok.pad_token_id)
+            setup, tok = setup_of(variant, Path(tmp))
+            model = setup[0]
             for precision in args.precisions.split(","):
                 for threads in map(int, args.threads.split(",")):
                     torch.set_num_threads(threads)

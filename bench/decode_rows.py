@@ -56,6 +56,15 @@ def model_of(variant: str, root: Path):
     return (*load(build_model_dir(root / "untrained", seed=0)), 256)
 
 
+def setup_of(variant: str, root: Path) -> tuple[tuple, object]:
+    """(the arguments of `sample` before its precision, tokenizer) of a variant: 8 prompts × 8 samples."""
+    model, tok, budget = model_of(variant, root)
+    model.eval()
+    prompts = [tok(f"Q: What is {17 * i + 5} + {29 * i + 11}?\nA: ")["input_ids"] for i in range(8)]
+    ids, mask = left_pad([p for p in prompts for _ in range(8)], tok.pad_token_id)
+    return (model, ids, mask, budget, stop_token_ids(model, tok), tok.pad_token_id), tok
+
+
 def sample(model, ids, mask, budget: int, stops: list[int], pad: int, precision: str, every: int, seed: int):
     """(tokens, log-probs, seconds) of one decode under `seed`."""
     torch.manual_seed(seed)
@@ -73,11 +82,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            model, tok, budget = model_of(variant, Path(tmp))
-            model.eval()
-            prompts = [tok(f"Q: What is {17 * i + 5} + {29 * i + 11}?\nA: ")["input_ids"] for i in range(8)]
-            ids, mask = left_pad([p for p in prompts for _ in range(8)], tok.pad_token_id)
-            setup = (model, ids, mask, budget, stop_token_ids(model, tok), tok.pad_token_id)
+            setup, tok = setup_of(variant, Path(tmp))
             for precision in args.precisions.split(","):
                 for threads in map(int, args.threads.split(",")):
                     torch.set_num_threads(threads)
