@@ -1,7 +1,9 @@
 """Sampling apart from the trainer: throughput, idle time and accuracy of `rollout.placement=separate` at
-max_staleness k = 0, 1, 2 against the colocated synchronous run.
+max_staleness k = 0, 1, 2 (at k = 1 and 2 also with the reference log-probs scored by the worker,
+`rollout.reference_on=workers`: k=1-ref, k=2-ref) against the colocated synchronous run.
 
     python bench/async.py                                   # both variants, 3 seeds of accuracy; ~55 min on 2 cores (AVX-512 with AMX)
+    python bench/async.py --seeds 0                         # throughput alone; ~11 min (AVX-512, AVX512-BF16, no AMX)
     python bench/async.py --variants long-completions --seeds 0 --steps 12
 
 Variants:
@@ -48,7 +50,10 @@ VARIANTS = {
 }
 CONFIGS = {"colocated": [], "k=0": ["rollout.placement=separate"],
            "k=1": ["rollout.placement=separate", "rollout.max_staleness=1"],
-           "k=2": ["rollout.placement=separate", "rollout.max_staleness=2"]}
+           "k=2": ["rollout.placement=separate", "rollout.max_staleness=2"],
+           # the reference log-probs scored by the worker, off the trainer's side (rollout.reference_on=workers)
+           "k=1-ref": ["rollout.placement=separate", "rollout.max_staleness=1", "rollout.reference_on=workers"],
+           "k=2-ref": ["rollout.placement=separate", "rollout.max_staleness=2", "rollout.reference_on=workers"]}
 # accuracy only: k = 1 with the truncated importance weight in place of the default correction (PPO's clip against
 # the sampler), per token and per sequence, and the colocated run sampling from weights one update old with the
 # truncated weight (bench/lagged.py: staleness without the workers)
@@ -63,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     p.add_argument("--steps", type=int, default=16, help="steps of each throughput run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds of the throughput runs, every configuration once a round; the table gives medians")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the accuracy runs (one: none)")
     p.add_argument("--accuracy", default="colocated,k=1,k=2,k=1-trainer,lagged-k=1",
                    help="comma-separated configurations of the accuracy runs: " + ", ".join([*CONFIGS, *ACCURACY]))
@@ -100,6 +107,13 @@ def throughput(lines: list[dict]) -> dict:
             "response_len": statistics.mean(m["response_len"] for m in after)}
 
 
+def row(variant: str, config: str, t: dict, note: str = "") -> str:
+    ratio = f"{t['ratio']:.2f}x" if t["ratio"] == t["ratio"] else "-"
+    return (f"{variant:<17} {config:<10} {t['steps/s']:>8.2f} {t['samples/s']:>10.1f} {ratio:>13} {t['tokens/s']:>9.0f} "
+            f"{t['trainer idle']:>13.0%} {t['worker idle']:>12.0%} {t['staleness']:>10.2f} {t['response_len']:>9.1f}"
+            f"{note}")
+
+
 def timeline(lines: list[dict], path: Path, title: str) -> None:
     """Each side's busy spans over time: the trainer's steps less its waits, the worker's sampling."""
     import matplotlib
@@ -130,23 +144,27 @@ def main() -> None:
         from posttrain.models.embedded import build_model_dir
 
         untrained = build_model_dir(Path(tmp) / "untrained", max_len=512)  # the embedded architecture, fresh
-        print(f"{'variant':<17} {'config':<10} {'steps/s':>8} {'samples/s':>10} {'vs colocated':>13} {'tokens/s':>9} "
-              f"{'trainer idle':>13} {'worker idle':>12} {'staleness':>10} {'response':>9}")
+        header = (f"{'variant':<17} {'config':<10} {'steps/s':>8} {'samples/s':>10} {'vs colocated':>13} "
+                  f"{'tokens/s':>9} {'trainer idle':>13} {'worker idle':>12} {'staleness':>10} {'response':>9}")
+        print(header)
+        table = {}  # (variant, config) -> each round's figures, its samples/s ratio to the round's colocated run among them
         for variant in variants:
-            base = None
-            for config in configs:
-                given = [a.format(untrained=untrained) for a in VARIANTS[variant]]
-                lines = run([*given, *CONFIGS[config], f"train.steps={args.steps}", "eval.num_problems=0"],
-                            Path(tmp) / variant / config)
-                t = throughput(lines)
-                base = t["samples/s"] if config == "colocated" else base
-                ratio = f"{t['samples/s'] / base:.2f}x" if base else "-"
-                print(f"{variant:<17} {config:<10} {t['steps/s']:>8.2f} {t['samples/s']:>10.1f} {ratio:>13} "
-                      f"{t['tokens/s']:>9.0f} "
-                      f"{t['trainer idle']:>13.0%} {t['worker idle']:>12.0%} {t['staleness']:>10.2f} "
-                      f"{t['response_len']:>9.1f}", flush=True)
-                if args.timeline and config == "k=1" and variant == variants[-1]:
-                    timeline(lines, args.timeline, f"{variant}, rollout.placement=separate, max_staleness=1")
+            for r in range(args.repeats):  # rounds, so that a slow spell of the machine touches every configuration
+                base = None
+                for config in configs:
+                    given = [a.format(untrained=untrained) for a in VARIANTS[variant]]
+                    lines = run([*given, *CONFIGS[config], f"train.steps={args.steps}", "eval.num_problems=0"],
+                                Path(tmp) / variant / f"{config}-{r}")
+                    t = throughput(lines)
+                    base = t["samples/s"] if config == "colocated" else base
+                    t["ratio"] = t["samples/s"] / base if base else float("nan")
+                    table.setdefault((variant, config), []).append(t)
+                    print(row(variant, f"{config}", t, f" (round {r + 1})"), flush=True)
+                    if args.timeline and config == "k=1" and variant == variants[-1] and r == 0:
+                        timeline(lines, args.timeline, f"{variant}, rollout.placement=separate, max_staleness=1")
+        print(f"\nmedians over {args.repeats} rounds\n{header}")
+        for (variant, config), rounds in table.items():
+            print(row(variant, config, {k: statistics.median(t[k] for t in rounds) for k in rounds[0]}))
         if len(seeds) < 2:
             return
         print(f"\nheld-out accuracy after recipe=grpo_math's whole run (greedy, 500 problems), seeds {args.seeds}")

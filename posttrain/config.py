@@ -230,6 +230,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rollout.max_staleness and plugin.source != "online":
         raise ConfigError(f"rollout.max_staleness: workers run ahead for the online methods, which sample as they "
                           f"train; {plugin.name} does not (its samples, if any, are drawn once)")
+    if cfg.rollout.reference_on == "workers" and plugin.source != "online":
+        raise ConfigError(f"rollout.reference_on: workers score the batches they sample for the online methods; "
+                          f"{plugin.name} scores its reference where it trains")
     if cfg.rollout.proximal == "sampler" and not plugin.clips_ratio:
         raise ConfigError(f"rollout.proximal: sampler is the π_old of a clipped ratio, which {plugin.name} has not "
                           "(PPO, GRPO's family and GSPO have one)")

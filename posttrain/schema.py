@@ -327,6 +327,12 @@ class RolloutConfig(Freezable):
     """separate: restarts of a worker that died or hung before the run stops with an error naming it."""
     weight_bucket_mb: float = 64.0
     """separate: weights travel to the workers in buckets of at most this many MiB (a larger tensor goes alone)."""
+    reference_on: str = "trainer"
+    """separate, online methods with a reference (β > 0): where the reference log-probs of each sampled batch are
+    computed. trainer: by the training process before its update; workers: by the rollout workers once the batch is
+    made, each holding a frozen copy of the reference (model.ref_path, else the starting policy, which is LoRA's base
+    too), so that the trainer neither holds nor runs it and the overlap takes its forward off the trainer's side.
+    The two agree to float rounding, not bit for bit (docs/async.md)."""
 
     @property
     def stale(self) -> bool:
@@ -394,9 +400,11 @@ class RolloutConfig(Freezable):
             raise ConfigError(f"max_worker_restarts: must be ≥ 0 (got {self.max_worker_restarts})")
         if self.weight_bucket_mb <= 0:
             raise ConfigError(f"weight_bucket_mb: must be > 0 (got {self.weight_bucket_mb})")
+        if self.reference_on not in REFERENCE_ON:
+            raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
         if self.placement == "colocated":
-            moved = [k for k in ("max_staleness", "workers", "worker_threads") if getattr(self, k) != getattr(
-                RolloutConfig, k)]
+            moved = [k for k in ("max_staleness", "workers", "worker_threads", "reference_on") if getattr(
+                self, k) != getattr(RolloutConfig, k)]
             if moved:
                 raise ConfigError(f"{moved[0]}: applies to rollout.placement=separate (got placement=colocated)")
 
@@ -580,6 +588,7 @@ class RewardModelConfig(Freezable):
 
 
 PLACEMENTS = ("colocated", "separate")  # rollout.placement
+REFERENCE_ON = ("trainer", "workers")  # rollout.reference_on
 PROXIMAL = ("trainer", "sampler")  # rollout.proximal
 STALE_TIS_CAP = 2.0  # rollout.tis_cap where samples may be stale and none is given
 TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode

@@ -204,6 +204,90 @@ def test_killed_at_staleness_1_trains_every_prompt_exactly_once(warm_model_dir, 
         collections.Counter(p for step in whole for p in step)
 
 
+# -- the reference scored by the workers (rollout.reference_on=workers) --------------------------------------------------
+# Two workers, each scoring its half of a batch's rows in micro-batches of 3; fp32, so that the figures can be compared
+# with the trainer's own scoring to float rounding.
+REFERENCE = [*SEPARATE, "rollout.max_staleness=1", "rollout.workers=2", "train.precision=fp32",
+             "train.micro_batch_size=3"]
+
+
+def per_step(out, *keys):
+    """Each step's `keys`, one after another: [step 1's, step 2's, ...]."""
+    return [m[k] for m in metrics(out) for k in keys]
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(warm_model_dir, tmp_path_factory):
+    """The same run with the reference scored by the trainer: the figures the workers' scoring must give."""
+    out = tmp_path_factory.mktemp("trainer_reference") / "out"
+    proc = run(warm_model_dir, out, *REFERENCE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert summary(out)["reference_on"] == "trainer"
+    return out
+
+
+@pytest.mark.parametrize("fault", [None, "die_scoring:2"])
+def test_the_workers_score_the_reference_as_the_trainer_would(warm_model_dir, trainer_reference, tmp_path, fault):
+    """The trainer holds no reference and scores nothing; each step's KL to the reference and loss are the
+    trainer-scored run's to float rounding (workers scoring with the policy they sample with would give a KL of 0 once
+    it moved), also when both workers are killed in their second scoring request and restarted."""
+    out = tmp_path / "out"
+    proc = run(warm_model_dir, out, *REFERENCE, "rollout.reference_on=workers", env={FAULT: fault} if fault else None)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = summary(out)
+    assert s["placement"] == "separate" and s["rollout_workers"]["workers"] == 2
+    assert all(pid != os.getpid() for pid in s["rollout_workers"]["pids"])
+    assert s["rollout_workers"]["restarts"] == (2 if fault else 0)
+    assert s["reference_on"] == "workers" and "reference_weights" not in s["memory"]["roles_bytes"]
+    assert all(m["time/reference"] > 0 for m in metrics(out))
+    want = per_step(trainer_reference, "kl", "loss")
+    assert max(want[::2]) > 1e-5  # the policy left the reference: there is a KL to compare
+    assert per_step(out, "kl", "loss") == pytest.approx(want, rel=1e-4, abs=1e-7)
+
+
+def test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows(tiny_model_dir):
+    """Rows of different lengths, scored longest first in micro-batches of 2, each trimmed: every row's log-probs
+    are the whole batch's forward's, in its own row."""
+    from posttrain.core.batch import Batch
+    from posttrain.models.loading import load
+    from posttrain.models.scoring import token_logprobs
+    from posttrain.rollout.workers import reference_logprobs
+
+    model, _ = load(tiny_model_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 40, (5, 9))  # P = 4, R = 5
+    prompts, responses = torch.tensor([4, 2, 3, 4, 1]), torch.tensor([1, 5, 3, 2, 4])
+    columns = torch.arange(9)
+    attention = ((columns >= 4 - prompts[:, None]) & (columns < 4 + responses[:, None])).long()  # [5, 9]
+    batch = Batch(ids, attention, attention[:, 4:].float(), 4)
+    got = reference_logprobs(model, batch, micro=2)
+    want = token_logprobs(model, ids, attention, 4)
+    assert torch.allclose(got * batch.mask, want * batch.mask, atol=1e-5)
+
+
+def test_ddp_processes_have_the_shared_workers_score_the_reference(warm_model_dir, tmp_path):
+    """Under ddp both processes' batches go to the first's worker for scoring, in one collective call: each step's
+    KL and loss (the mean over both processes) are the trainer-scored run's to float rounding."""
+    args = [*SEPARATE, "rollout.max_staleness=1", "train.precision=fp32", "train.steps=3"]
+    trainer = two_ranks(warm_model_dir, tmp_path / "trainer", "ddp", *args)
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    out = tmp_path / "workers"
+    workers = two_ranks(warm_model_dir, out, "ddp", *args, "rollout.reference_on=workers")
+    assert workers.returncode == 0, workers.stderr[-3000:]
+    assert_shared(out, "ddp")
+    assert summary(out)["reference_on"] == "workers"
+    want = per_step(tmp_path / "trainer", "kl", "loss")
+    assert max(want[::2]) > 1e-5
+    assert per_step(out, "kl", "loss") == pytest.approx(want, rel=1e-4, abs=1e-7)
+
+
+def test_a_bad_reference_for_the_workers_is_a_one_line_error(tiny_model_dir, tmp_path):
+    proc = posttrain_here("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", *SEPARATE,
+                          "rollout.reference_on=workers", f"model.ref_path={tmp_path / 'nowhere'}",
+                          f"output_dir={tmp_path / 'out'}")
+    assert_one_line_error(proc, "model.ref_path:")
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, k):
     """At every max_staleness, not only at 0 where the bytes must match: the model's own (SDPA) decodes bf16 up to 1.7x
@@ -238,6 +322,11 @@ def test_weights_travel_in_bounded_buckets():
     (["recipe=grpo_math", "rollout.placement=separate", "rollout.workers=0"], "rollout.workers: must be ≥ 1"),
     (["recipe=grpo_math", "rollout.placement=separate", "rollout.worker_timeout_s=0"],
      "rollout.worker_timeout_s: must be > 0"),
+    (["recipe=grpo_math", "rollout.reference_on=workers"], "rollout.reference_on: applies to rollout.placement=separate"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.reference_on=gpu"],
+     "rollout.reference_on: unknown 'gpu'"),
+    (["recipe=dpo_math", "rollout.placement=separate", "rollout.reference_on=workers"],
+     "rollout.reference_on: workers score the batches they sample for the online methods"),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, args, fragment):
     assert_one_line_error(posttrain_here("run", *args, f"output_dir={tmp_path / 'out'}"), fragment)

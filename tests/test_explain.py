@@ -33,6 +33,9 @@ def plan_of(recipe: str, *overrides: str, world: int = 1) -> explain.Plan:
       "the clipped ratio's π_old is the sampler's log-probs"]),
     ("recipe=ppo_math rollout.placement=separate rollout.max_staleness=1 rollout.proximal=trainer",
      ["up to 4 optimizer steps behind", "rollout.tis_cap=2, token_truncate", "old_logp) are scored before the first"]),
+    ("recipe=grpo_math rollout.placement=separate rollout.max_staleness=1 rollout.reference_on=workers",
+     ["a copy of the starting policy, held by each rollout worker (rollout.reference_on=workers), not by the trainer",
+      "the workers score each batch they sample"]),
 ])
 def test_explain_prints_the_plan(recipe, lines, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

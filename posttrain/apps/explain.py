@@ -185,8 +185,8 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
         scheduled_updates=t.steps * epochs * parts, prompt_tokens=rows * d.max_prompt_len,
         response_tokens=rows * (d.max_response_len if from_file else r.max_new_tokens),
         sampled_tokens=(sampled[0] * r.max_new_tokens, sampled[1] * r.max_new_tokens), response_budget=budget,
-        scored=[k for k in ("ref_logp", "old_logp", "values")
-                if k in needs and not (k == "ref_logp" and source.scores_reference)])
+        scored=[k for k in ("ref_logp", "old_logp", "values") if k in needs and not (k == "ref_logp" and (
+            source.scores_reference or r.reference_on == "workers"))])
     plan.models, plan.notes = models(cfg, plugin, source, needs, world)
     plan.stages, unknown = stages(cfg, plugin, source, needs, rows)
     plan.notes += unknown
@@ -228,6 +228,10 @@ def models(cfg: RunConfig, plugin, source, needs: frozenset[str], world: int = 1
             why += "; it scores the data once when the run starts and is then freed"
         origin = ("the policy with its LoRA adapter off (no second model)" if adapters and cfg.model.ref_path is None
                   else cfg.model.ref_path or "a copy of the starting policy")
+        if r.reference_on == "workers":
+            origin = (f"{cfg.model.ref_path or 'a copy of the starting policy'}, held by each rollout worker "
+                      "(rollout.reference_on=workers), not by the trainer")
+            why += "; the workers score each batch they sample"
         out.append(Model("reference", origin, False, why))
     elif cfg.model.ref_path:
         notes.append(f"model.ref_path is set, but {name} with these settings needs no reference: not loaded")

@@ -88,19 +88,38 @@ class SharedPool(RolloutEngine):
     def generate(self, prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> Batch:
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, greedy=greedy)
-        group = self.lanes.group()
+
+        def serve(parts: list[tuple]) -> list[tuple]:
+            settings = {repr(p[3]) for p in parts}
+            if len(settings) > 1:
+                raise TrainingError(f"rollout workers: the training processes asked for different sampling "
+                                    f"settings in one call: {sorted(settings)}")
+            return self.pool.sample([p[:3] for p in parts], sampling)
+
         mine = (prompts, n, torch.get_rng_state() if self.shared_rng else None, sampling)
+        batch, rng = self._through_first(mine, serve)
+        if self.shared_rng:
+            torch.set_rng_state(rng)
+        return batch
+
+    def score_reference(self, batch: Batch) -> torch.Tensor:
+        """The reference log-probs of this process's batch ([B, R]), scored by the workers in one call for every
+        process (rollout.reference_on=workers)."""
+        rows = Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len,
+                     temperature=batch.temperature)
+        return self._through_first(rows, self.pool.score_references if self.pool is not None else None)
+
+    def _through_first(self, mine, serve):
+        """A collective call: every process hands `mine` to the first, which answers them all with `serve(parts)`
+        (one answer a process, in rank order) and hands each process its own. Every process raises the first's
+        error, so that none waits for an answer that will not come."""
+        group = self.lanes.group()
         parts = [None] * self.lanes.world if self.rank == 0 else None
         dist.gather_object(mine, parts, dst=0, group=group)
         failure, answers = None, None
         if self.rank == 0:
             try:
-                settings = {repr(p[3]) for p in parts}
-                if len(settings) > 1:
-                    raise TrainingError(f"rollout workers: the training processes asked for different sampling "
-                                        f"settings in one call: {sorted(settings)}")
-                answers = [("batch", batch, rng, self.pool.restarts)
-                           for batch, rng in self.pool.sample([p[:3] for p in parts], sampling)]
+                answers = [("answer", answer, self.pool.restarts) for answer in serve(parts)]
             except Exception as err:  # every process stops with the first's error, none waits for a batch
                 failure = err
                 answers = [("error", one_line(err))] * self.lanes.world
@@ -110,10 +129,8 @@ class SharedPool(RolloutEngine):
             raise failure
         if out[0][0] == "error":
             raise TrainingError(f"rollout workers (on training process 0): {out[0][1]}")
-        _, batch, rng, self._restarts = out[0]
-        if self.shared_rng:
-            torch.set_rng_state(rng)
-        return batch
+        _, answer, self._restarts = out[0]
+        return answer
 
     def load_weights(self, weights) -> int:
         """The first process pushes; the others walk the weights too, since a sharding backend gathers each in a

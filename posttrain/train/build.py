@@ -15,7 +15,7 @@ from posttrain import judge as judges
 from posttrain import rollout
 from posttrain.backends import Backend
 from posttrain.config import algorithm_of
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, UserError
 from posttrain.core.memory import RoleBytes
 from posttrain.core.schedules import lr_factor
 from posttrain.core.threads import allowed_cpus, usable_cores
@@ -23,7 +23,7 @@ from posttrain.data import uses_chat
 from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
-from posttrain.models.loading import load, stop_token_ids
+from posttrain.models.loading import check_files, load, stop_token_ids
 from posttrain.rollout.shared import Lanes, SharedPool
 from posttrain.rollout.workers import WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
@@ -61,9 +61,12 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     judge = judges.build(cfg, backend.device, with_reward_model="reward" in needs, place=backend.freeze,
                          tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision)
 
-    # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off.
-    ref, ref_is_base = None, False
-    if "ref_logp" in needs:  # loaded only when the plugin asks for it
+    # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off; or
+    # held by the rollout workers (rollout.reference_on=workers), which score each batch they make.
+    ref, ref_is_base, ref_on_workers = None, False, None
+    if "ref_logp" in needs and cfg.rollout.reference_on == "workers":
+        ref_on_workers = reference_dir(cfg, model_path)
+    elif "ref_logp" in needs:  # loaded only when the plugin asks for it
         if adapters.r and cfg.model.ref_path is None:
             ref_is_base = True
         else:
@@ -97,9 +100,9 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     if not separate:
         rollouts = rollout.get(cfg.rollout.engine).start(setup)
     elif lanes is None:
-        rollouts = start_workers(cfg, setup, dtype)
+        rollouts = start_workers(cfg, setup, dtype, ref_on_workers)
     else:  # the first process holds the workers; every process samples through them in collective calls
-        pool = start_workers(cfg, setup, dtype) if backend.rank == 0 else None
+        pool = start_workers(cfg, setup, dtype, ref_on_workers) if backend.rank == 0 else None
         backend.barrier()  # the others wait while the first starts them
         rollouts = SharedPool(pool, lanes, shared_rng=shared_rng(cfg.rollout), name=cfg.rollout.engine,
                               takes_adapter=takes_adapter(cfg))
@@ -135,7 +138,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     engine.source = source
     if separate and source_cls.on_policy:  # the online source's batches, made ahead; the others sampled at the start
         engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,
-                                   backend.autocast)
+                                   backend.autocast, reference=ref_on_workers is not None)
+    engine.reference_on = "workers" if ref_on_workers else "trainer" if engine.has_reference else None
     if source.scores_reference:
         engine.ref, engine.ref_is_base = None, False  # the source holds the reference log-probs it needs
     rm = getattr(judge.reward_model, "model", None)
@@ -146,22 +150,38 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     return engine
 
 
-def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerPool:
+def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str, reference: Path | None = None) -> WorkerPool:
     """The rollout workers of `rollout.placement=separate`, each on its share of the cores (rollout.worker_threads),
-    the trainer keeping the rest (`worker_cores`)."""
+    the trainer keeping the rest (`worker_cores`); holding the reference model in `reference` when given."""
     r = cfg.rollout
-    return WorkerPool(worker_spec(cfg, setup, dtype), r.workers, cpus=worker_cores(r)[1], shared_rng=shared_rng(r),
+    return WorkerPool(worker_spec(cfg, setup, dtype, reference), r.workers, cpus=worker_cores(r)[1], shared_rng=shared_rng(r),
                       max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
 
 
-def worker_spec(cfg: RunConfig, setup: rollout.Setup, dtype: str) -> WorkerSpec:
-    """What each rollout worker builds: the trainer's sampler, on its own copy of the starting policy."""
+def worker_spec(cfg: RunConfig, setup: rollout.Setup, dtype: str, reference: Path | None = None) -> WorkerSpec:
+    """What each rollout worker builds: the trainer's sampler, on its own copy of the starting policy; and the frozen
+    reference model in `reference`, when given (rollout.reference_on=workers)."""
     r = cfg.rollout
     return WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
                       lora=cfg.model.lora if takes_adapter(cfg) else None, sampling=r, pad_id=setup.pad_id,
                       stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs,
                       threads=worker_cores(r)[0], timeout_s=r.worker_timeout_s,
-                      attention=trainer_attention(setup.policy))
+                      attention=trainer_attention(setup.policy),
+                      reference=str(reference) if reference is not None else None,
+                      reference_dtype=weights_dtype(setup.precision, trained=False), micro=cfg.train.micro_batch_size)
+
+
+def reference_dir(cfg: RunConfig, model_path: Path) -> Path:
+    """The reference model's directory for rollout.reference_on=workers: model.ref_path, checked here so that a bad
+    one is a one-line error naming it rather than a worker that cannot start; else the starting policy (under LoRA,
+    the base the adapter is added to, which is the policy with its adapter off)."""
+    if cfg.model.ref_path is None:
+        return model_path
+    path = Path(cfg.model.ref_path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.ref_path: '{path}' is not a model directory (no config.json)")
+    check_files(path, "model.ref_path")
+    return path
 
 
 def takes_adapter(cfg: RunConfig) -> bool:

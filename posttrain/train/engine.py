@@ -68,6 +68,8 @@ class Engine:
         self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
         self.producer = None  # rollout.placement=separate: the thread that makes batches ahead (train/producer.py)
         self.episodes = None  # env.name: the Episodes the source and the evaluation sample with (sources/episodes.py)
+        self.reference_on = None  # where the reference log-probs are scored: trainer, workers (the producer has them
+        # scored with each batch), or None (no reference); set by build
         self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
         self.proximal = cfg.rollout.proximal
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))

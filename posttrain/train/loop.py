@@ -69,6 +69,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         summary["rollout_engine"] = engine.rollout.name  # the engine that really started
         summary["weight_sync"] = engine.weight_sync  # none (colocated), full, merged (LoRA) or adapter (LoRA workers)
         summary["placement"] = cfg.rollout.placement
+        summary["reference_on"] = engine.reference_on  # trainer, workers, or None where the method has no reference
         summary["packed"] = engine.packed  # train.packing as it runs (false where the model cannot confine attention)
         summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
         if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
