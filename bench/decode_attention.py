@@ -15,7 +15,6 @@ completion tokens/s (real tokens ÷ seconds of `decode`) and SDPA's against eage
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -24,22 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_rows import sample, setup_of  # noqa: E402 - the same variants, prompts and timed decode
+from decode_rows import parse_args, sample, setup_of  # noqa: E402 - the same options, variants, prompts and timed decode
 
 ATTENTION = ("eager", "sdpa")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", default="embedded,long-completions")
-    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (bf16 autocast)")
-    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    p.add_argument("--repeats", type=int, default=5)
-    return p.parse_args(argv)
-
-
 def main(argv=None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     print("| variant | precision | threads | eager tokens/s | SDPA tokens/s | SDPA vs eager |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,8 +34,9 @@ from posttrain.rollout.hf import decode
 EVERY = (0, 4, 8, 16)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None, doc: str = __doc__) -> argparse.Namespace:
+    """The options of this bench and of bench/decode_attention.py (`doc`: the calling bench's docstring)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--variants", default="embedded,long-completions")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (bf16 autocast)")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
 from posttrain.rollout.base import RolloutEngine
-from posttrain.rollout.workers import WorkerPool, one_line
+from posttrain.rollout.workers import WorkerPool, one_line, scoring_rows
 
 PRODUCER_THREAD = "posttrain-producer"  # the name of the thread that makes training batches (posttrain.train.producer)
 
@@ -105,9 +105,7 @@ class SharedPool(RolloutEngine):
     def score_reference(self, batch: Batch) -> torch.Tensor:
         """The reference log-probs of this process's batch ([B, R]), scored by the workers in one call for every
         process (rollout.reference_on=workers)."""
-        rows = Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len,
-                     temperature=batch.temperature)
-        return self._through_first(rows, self.pool.score_references if self.pool is not None else None)
+        return self._through_first(scoring_rows(batch), self.pool.score_references if self.pool is not None else None)
 
     def _through_first(self, mine, serve):
         """A collective call: every process hands `mine` to the first, which answers them all with `serve(parts)`

@@ -160,6 +160,11 @@ def load_reference(spec: WorkerSpec) -> torch.nn.Module | None:
     return model.eval().requires_grad_(False)
 
 
+def scoring_rows(batch: Batch) -> Batch:
+    """What reference scoring reads of a batch (ids, masks, P, τ), nothing more to send through a queue or a group."""
+    return Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len, temperature=batch.temperature)
+
+
 @torch.no_grad()
 def reference_logprobs(model: torch.nn.Module | None, batch: Batch, micro: int) -> torch.Tensor:
     """log π_ref of `batch`'s response tokens ([B, R] float32), in micro-batches of `micro` rows, longest first, each
@@ -513,8 +518,7 @@ class WorkerPool(RolloutEngine):
         with self._requests:
             requests, shares = [], []
             for batch in parts:
-                rows = Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len,
-                             temperature=batch.temperature)  # what scoring reads, nothing more through the queue
+                rows = scoring_rows(batch)
                 share = -(-len(batch) // len(self.workers))
                 pieces = [rows.select(slice(first, first + share)) for first in range(0, len(batch), share)]
                 shares.append(len(pieces))
