@@ -1,22 +1,24 @@
 """Runs a model's Python code in a process of its own, within time, memory, output and file limits.
 
 `run(code)` starts `python -I -S` (no site-packages, no environment variables read, no user directory) in a new
-temporary directory and session, and gives it the code on stdin. Before the code runs, the process:
+temporary directory and session, and gives it the code on stdin. Two layers stand between that code and the machine:
 
-- caps its address space (`memory_mb`: a larger allocation raises MemoryError), its CPU seconds, the size of a file
-  it writes (1 MiB) and its open files;
-- imports the modules the code may use (`MODULES`: math, fractions, itertools, ...) and then refuses every other
-  import, so no `socket`, `ctypes` or `subprocess` can be loaded;
-- installs an audit hook (PEP 578, which no Python code can remove) that refuses opening a path outside its
-  directory, and every `os`, `shutil`, `subprocess` and `socket` event: no process started or signalled (fork, exec,
-  system, spawn, kill), no file removed, renamed or linked, no network.
+1. **The operating system's** (`isolation="bwrap"`, the default; environments/isolation.py): the process runs in a
+   bubblewrap jail, in namespaces of its own (no network, no other process in sight), with a read-only view of the
+   system's software and its own directory as the only one it can write, as an unprivileged user, under a seccomp
+   filter that refuses new processes, sockets and namespace, mount and ptrace calls. This is what the isolation
+   rests on: it holds whatever the code does to the interpreter it runs in.
+2. **The interpreter's**, which tell the model in plain words what it may not do: the process caps its address
+   space (`memory_mb`: a larger allocation raises MemoryError), its CPU seconds, the size of a file it writes
+   (1 MiB), its open files and its processes; imports the modules the code may use (`MODULES`: math, fractions,
+   itertools, ...) and refuses every other import; and installs an audit hook (PEP 578) that refuses opening a path
+   outside its directory and every `os`, `shutil`, `subprocess` and `socket` event. Code written to get past these
+   can (it runs with the checker's own powers: it can swap a function's `__code__`), which is why the first layer
+   exists. `isolation="none"` runs with this layer alone: for code one trusts, on a machine without bubblewrap.
 
-Outside, the parent kills the whole session at `timeout_s` of wall time (a `while True`, a `sleep`) or as soon as the
-output passes `max_output` characters, and reads no more. What the model sees is the output (stdout and stderr
-together), the exception's last line when the code raised, or why the run was stopped: always text, never a hang or a
-crash. This contains a model's mistakes and the usual hostile inputs (tests/test_environments.py runs an infinite
-loop, a fork bomb, reads of /etc and of the parent's files, huge output and a memory bomb), and there is no network
-namespace or seccomp filter behind it: for code from an adversary, run the training in a container without network.
+Outside, the parent kills the jail at `timeout_s` of wall time (a `while True`, a `sleep`) or as soon as the output
+passes `max_output` characters, and reads no more. What the model sees is the output (stdout and stderr together),
+the exception's last line when the code raised, or why the run was stopped: always text, never a hang or a crash.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from posttrain.core.errors import ConfigError
+from posttrain.environments import isolation as jail
+
 MODULES = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "statistics", "re",
            "random", "string", "operator", "heapq", "bisect", "datetime")
 
-# The child's first code: limits, the allowed modules, the audit hook, then the model's code from stdin.
+# The child's first code: limits, the allowed modules, the audit hook and a guarded `__import__` (unless argv[4] is
+# "0", which tests use to attack the operating system's layer alone), then the model's code from stdin.
 PRELUDE = r"""
 import os, resource, sys
-memory, cpu_s = int(sys.argv[1]), int(sys.argv[2])
+memory, cpu_s, checks = int(sys.argv[1]), int(sys.argv[2]), sys.argv[4] == "1"
 code = sys.stdin.read()
 sys.stdin.close()
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -44,8 +50,10 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no process or thread (root, unjailed, is exempt)
 for name in sys.argv[3].split(","):
     __import__(name)
+scope = {"__name__": "__main__"}
 
 
 def hook(event, args, root=os.path.realpath(os.getcwd()), modules=sys.argv[3], realpath=os.path.realpath,
@@ -64,10 +72,22 @@ def hook(event, args, root=os.path.realpath(os.getcwd()), modules=sys.argv[3], r
         raise PermissionError(f"not allowed in the sandbox: {event}")
 
 
-sys.addaudithook(hook)
-del hook
+def guarded(name, globals=None, locals=None, fromlist=(), level=0, real=__import__, modules=sys.argv[3],
+            allowed=frozenset(sys.argv[3].split(","))):
+    # the modules imported above are cached, so the audit hook's import event never sees them: refuse them here
+    if level or name.partition(".")[0] not in allowed:
+        raise ImportError(f"the sandbox has only the modules {modules} (not {name})")
+    return real(name, globals, locals, fromlist, level)
+
+
+if checks:
+    import builtins
+
+    scope["__builtins__"] = dict(vars(builtins), __import__=guarded)
+    sys.addaudithook(hook)
+del hook, guarded
 try:
-    exec(compile(code, "<python>", "exec"), {"__name__": "__main__"})
+    exec(compile(code, "<python>", "exec"), scope)
 except SystemExit:
     raise
 except BaseException as error:
@@ -75,6 +95,7 @@ except BaseException as error:
     print(f"{type(error).__name__}: {error}", file=sys.stderr)
     sys.exit(1)
 """
+ISOLATION = ("bwrap", "none")  # env.sandbox's values
 
 
 @dataclass
@@ -84,14 +105,40 @@ class Result:
     stopped: str = ""  # why the parent stopped it: "time", "output" (else "")
 
 
-def run(code: str, *, timeout_s: float = 3.0, memory_mb: int = 256, max_output: int = 1000) -> Result:
-    """Runs `code` in a sandboxed Python process (module docstring); its output, or why there is none."""
+def require(isolation: str) -> None:
+    """Raises ConfigError, naming what is missing, where `isolation` cannot be set up on this machine."""
+    if isolation not in ISOLATION:
+        raise ConfigError(f"env.sandbox: must be one of {', '.join(ISOLATION)} (got {isolation!r})")
+    why = jail.missing() if isolation == "bwrap" else ""
+    if why:
+        raise ConfigError(f"env.name=python: the Python tool runs the model's code in an isolated jail, and {why}; "
+                          "env.sandbox=none runs it without that isolation (trusted code only)")
+
+
+def run(code: str, *, timeout_s: float = 3.0, memory_mb: int = 256, max_output: int = 1000,
+        isolation: str = "bwrap", interpreter_checks: bool = True) -> Result:
+    """Runs `code` in a sandboxed Python process (module docstring); its output, or why there is none.
+
+    Args:
+        isolation: "bwrap" (the operating system's jail around the process, environments/isolation.py) or "none".
+        interpreter_checks: the interpreter's own layer; off only to test the jail against code that has beaten it.
+    """
+    require(isolation)
     with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", PRELUDE, str(memory_mb << 20), str(int(timeout_s) + 1),
-             ",".join(MODULES)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir,
-            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, start_new_session=True)
+        argv = [jail.python() if isolation == "bwrap" else sys.executable, "-I", "-S", "-c", PRELUDE,
+                str(memory_mb << 20), str(int(timeout_s) + 1), ",".join(MODULES), "1" if interpreter_checks else "0"]
+        fds = ()
+        if isolation == "bwrap":
+            jail.prepare(workdir)
+            fds = _seccomp_pipe()
+            argv = jail.command(workdir, argv, fds[0] if fds else None)
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    cwd=workdir, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
+                                    start_new_session=True, pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         try:
             proc.stdin.write(code.encode("utf-8", "replace"))
             proc.stdin.close()
@@ -107,11 +154,26 @@ def run(code: str, *, timeout_s: float = 3.0, memory_mb: int = 256, max_output: 
         return Result(_note(shown, f"error: stopped after {timeout_s:g} s"), False, stopped)
     if stopped == "output":
         return Result(_note(shown, f"error: output cut at {max_output} characters"), False, stopped)
-    if proc.returncode < 0:  # a signal: the CPU limit's SIGXCPU, or the kernel's
-        return Result(_note(shown, f"error: killed by {signal.Signals(-proc.returncode).name}"), False)
+    killed = -proc.returncode if proc.returncode < 0 else 0  # a signal: the CPU limit's SIGXCPU, or the kernel's
+    if isolation == "bwrap" and 128 < proc.returncode < 128 + signal.NSIG:
+        killed = proc.returncode - 128  # bwrap's init reports its child's death by a signal as 128 + the signal
+    if killed:
+        name = signal.Signals(killed).name if killed in signal.valid_signals() else f"signal {killed}"
+        return Result(_note(shown, f"error: killed by {name}"), False)
     if proc.returncode and not shown.strip():  # sys.exit(3), say
         shown = f"error: exit status {proc.returncode}"
     return Result(shown, proc.returncode == 0)
+
+
+def _seccomp_pipe() -> tuple[int, ...]:
+    """The seccomp filter in a pipe bwrap reads (its `--seccomp FD`): (the read end,), or () where there is none."""
+    program = jail.seccomp_filter()
+    if program is None:
+        return ()
+    read, write = os.pipe()
+    os.write(write, program)  # a few hundred bytes: far below a pipe's buffer
+    os.close(write)
+    return (read,)
 
 
 def _read(proc: subprocess.Popen, timeout_s: float, max_output: int) -> tuple[bytes, str]:

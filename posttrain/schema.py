@@ -659,6 +659,11 @@ class EnvConfig(Freezable):
     timeout_s: float = 5.0
     """Wall-clock bound in seconds on each environment step, run in a bounded worker process; past it the model
     sees an error as the environment's reply."""
+    sandbox: str = "bwrap"
+    """How the python tool isolates the model's code: bwrap (a bubblewrap jail: own namespaces, no network, a
+    read-only view of the system, one writable directory, an unprivileged user, seccomp; the run is refused where it
+    cannot be set up) or none (the interpreter's own checks only, which code written to beat them gets past: for
+    trusted code on a machine without bubblewrap)."""
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -667,6 +672,10 @@ class EnvConfig(Freezable):
             raise ConfigError(f"max_turn_tokens: must be ≥ 1, or null (got {self.max_turn_tokens})")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s: must be > 0 (got {self.timeout_s})")
+        if self.sandbox not in ("bwrap", "none"):
+            raise ConfigError(f"sandbox: must be bwrap or none (got {self.sandbox!r})")
+        if self.sandbox != "bwrap" and self.name is None:
+            raise ConfigError("sandbox: set without env.name; it isolates the python tool's code in episodes")
 
 
 # The trackers `report_to` names (posttrain.train.tracking), each with the packages that provide it: any one will do
