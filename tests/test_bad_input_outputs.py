@@ -104,13 +104,14 @@ def test_a_mount_point_is_refused_as_output_dir(tmp_path, monkeypatch):
 
 
 def test_a_final_move_that_fails_keeps_the_finished_run_and_the_previous_one(tmp_path, monkeypatch):
-    from posttrain.train.rundir import RunDir
+    from posttrain.train.rundir import RunDir, write_config
 
     out = tmp_path / "run"
     out.mkdir()
+    write_config(out, {"previous": True})  # a run's directory, as posttrain marks one
     (out / "summary.json").write_text('{"previous": true}')
     run_dir = RunDir(out, overwrite=True)
-    (run_dir.create() / "summary.json").write_text('{"finished": true}')
+    (run_dir.create({"finished": True}) / "summary.json").write_text('{"finished": true}')
     rename = Path.rename
 
     def fails_across_devices(self, target):
@@ -124,7 +125,8 @@ def test_a_final_move_that_fails_keeps_the_finished_run_and_the_previous_one(tmp
     assert json.loads((out / "summary.json").read_text()) == {"previous": True}  # put back where it was
     assert json.loads((run_dir.path / "summary.json").read_text()) == {"finished": True}
     monkeypatch.undo()
-    (out / "summary.json").unlink()
+    for f in out.iterdir():  # the previous run gone: out is empty
+        f.unlink()
     with pytest.raises(ConfigError, match="holds a finished run that was not moved into place"):
         RunDir(out, overwrite=False)  # not wiped by the next run
 
@@ -136,17 +138,23 @@ def _locked(path: Path):
 
 
 def test_stale_warmups_are_cleaned_but_not_one_being_written(tmp_path):
+    """Nor a directory of the user's that has a warm-up's name: posttrain removes only run directories it wrote."""
     from posttrain.apps import warmup
+    from posttrain.train.rundir import write_config
 
     stale, live = tmp_path / f"warmup-{'a' * 12}.partial", tmp_path / f"warmup-{'b' * 12}.partial"
     finished, unknown = tmp_path / f"warmup-{'c' * 12}", tmp_path / "warmup-notakey.partial"
-    for d in (stale, live, finished, unknown):
+    users = tmp_path / f"warmup-{'d' * 12}.partial"
+    for d in (stale, live, finished, unknown, users):
         (d / "model").mkdir(parents=True)
+    for d in (stale, live, finished, unknown):
+        write_config(d, {"warmup": {}})
+    (users / "notes.txt").write_text("precious\n")
     with _locked(tmp_path / f"warmup-{'b' * 12}.lock"):  # another process writing it now
         assert warmup.clean_stale(tmp_path) == [stale]
         assert live.is_dir() and finished.is_dir() and unknown.is_dir()
     assert warmup.clean_stale(tmp_path) == [live]  # its writer is gone
-    assert finished.is_dir() and unknown.is_dir()
+    assert finished.is_dir() and unknown.is_dir() and (users / "notes.txt").read_text() == "precious\n"
 
 
 def test_a_warmup_holds_its_lock_while_it_writes(tmp_path, monkeypatch):
@@ -231,3 +239,43 @@ def test_a_run_warns_of_a_long_prompt_once(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("posttrain: warning:")]
     assert len(warnings) == 1 and "data.path row 4's prompt is 1,0" in warnings[0], proc.stderr
+
+
+# A tiny run that finishes in seconds, for the refusals that must come before one would destroy a user's files.
+TINY = ["recipe=grpo_math", "train.steps=1", "train.batch_size=2", "algorithm.group_size=2",
+        "rollout.max_new_tokens=2", "eval.num_problems=2", "eval.every=0", "-q"]
+
+
+@pytest.mark.parametrize("side, overwrite, fragments", [
+    (".partial", "false", ["output_dir: '{out}.partial', where the run is written on its way to '{out}'",
+                           "posttrain did not write"]),
+    (".partial", "true", ["output_dir: '{out}.partial', where the run is written on its way to '{out}'"]),
+    (".old", "true", ["output_dir: '{out}.old', where the previous '{out}' is set aside", "posttrain did not write"]),
+    ("", "true", ["output_dir: '{out}' is not a posttrain run's directory", "overwrite=true replaces only a run's"]),
+])
+def test_a_directory_posttrain_did_not_write_is_never_removed(tiny_model_dir, tmp_path, side, overwrite, fragments):
+    """A directory of the user's own where a run would write (`OUT.partial`), set the previous run aside (`OUT.old`)
+    or replace it (`OUT` under overwrite=true) is refused before any work, and keeps its files."""
+    out = tmp_path / "out"
+    mine = out.with_name(out.name + side)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious\n")
+    proc = posttrain("run", *TINY, f"model.path={tiny_model_dir}", f"output_dir={out}", f"overwrite={overwrite}")
+    assert_one_line_error(proc, *(f.format(out=out) for f in fragments))
+    assert (mine / "notes.txt").read_text() == "precious\n" and [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_runs_own_directories_are_still_replaced(tiny_model_dir, tmp_path):
+    """What posttrain wrote it may remove: a failed run's `.partial`, and under overwrite=true a finished run, whose
+    config.yaml opens with posttrain's line. An empty directory holds nothing to lose."""
+    out = tmp_path / "out"
+    out.mkdir()  # empty: taken as it is
+    first = posttrain("run", *TINY, f"model.path={tiny_model_dir}", f"output_dir={out}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (out / "config.yaml").read_text().startswith("# posttrain run directory")
+    (out.with_name("out.partial")).mkdir()
+    (out.with_name("out.partial") / "config.yaml").write_text((out / "config.yaml").read_text())  # a failed run's
+    again = posttrain("run", *TINY, f"model.path={tiny_model_dir}", f"output_dir={out}", "overwrite=true", "seed=3")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "seed: 3" in (out / "config.yaml").read_text()
+    assert not out.with_name("out.partial").exists() and not out.with_name("out.old").exists()

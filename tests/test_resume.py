@@ -112,9 +112,10 @@ def test_what_may_differ_on_resume(tmp_path):
 
 
 def test_a_new_run_does_not_discard_an_interrupted_runs_checkpoints(tmp_path):
-    from posttrain.train.rundir import RunDir
+    from posttrain.train.rundir import RunDir, write_config
 
     (tmp_path / "out.partial" / "checkpoints" / "step_2").mkdir(parents=True)
+    write_config(tmp_path / "out.partial", {})  # a run's directory, as posttrain marks one
     RunDir(tmp_path / "out", overwrite=False)  # a torn or model-only step_2 holds nothing to lose
     (tmp_path / "out.partial" / "checkpoints" / "step_2" / "trainer_state.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds an interrupted run's checkpoints; resume=auto or true continues it"):

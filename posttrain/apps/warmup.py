@@ -6,7 +6,8 @@ the cache directory, keyed by everything that shapes it; every recipe then start
 
 A warm-up writes `warmup-<key>.partial` and holds an exclusive lock on `warmup-<key>.lock` while it does (`flock`):
 a second process with the same key waits for it and then finds the model cached, and a `.partial` whose lock nobody
-holds was left by a warm-up that was interrupted, and is removed at the next start (`clean_stale`).
+holds was left by a warm-up that was interrupted, and is removed at the next start (`clean_stale`), once it is known to
+be a run directory posttrain wrote.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from posttrain.core.launch import forget_launcher, launched
 from posttrain.models.embedded import build_model_dir
 from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
 from posttrain.train import run
+from posttrain.train.rundir import removable
 
 try:
     import fcntl
@@ -131,11 +133,12 @@ def clean_stale(root: Path) -> list[Path]:
     taken has no writer left: the kernel drops a lock when its process ends, killed or not. A lock rather than a pid
     in the name (pids are reused, and mean nothing to another container or machine sharing the cache) or an age (a
     slow warm-up outlasts any limit, and a directory's time does not change while files deeper in it are written).
+    A `.partial` that is not a run directory posttrain wrote (`removable`) stays, whatever its name.
     """
     removed = []
     for partial in sorted(root.glob("warmup-*.partial")) if fcntl is not None and root.is_dir() else ():
-        if not (match := PARTIAL.fullmatch(partial.name)) or not partial.is_dir():
-            continue
+        if not (match := PARTIAL.fullmatch(partial.name)) or not removable(partial):
+            continue  # not a warm-up's run directory (`posttrain.train.rundir.removable`): not posttrain's to remove
         try:
             lock = _lock(root / f"warmup-{match[1]}.lock", wait=False)
         except OSError:  # a cache this process cannot write: leave it as it is

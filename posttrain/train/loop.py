@@ -83,11 +83,9 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
             engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
             summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
         backend.barrier()
-        out = (run_dir.reopen() if checkpoint is not None else run_dir.create()) if main else run_dir.path
+        out = (run_dir.reopen(resolved) if checkpoint is not None else run_dir.create(resolved)) if main \
+            else run_dir.path
         if main:
-            import yaml
-
-            (out / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True))
             if checkpoint is not None:
                 keep_metrics_until(out / "metrics.jsonl", start)
             if requested == "auto" and not quiet:  # once the models have loaded: bad input stays one line
