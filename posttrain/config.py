@@ -23,6 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from posttrain.core import threads
 from posttrain.core.errors import ConfigError
 from posttrain.core.frozen import freeze
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
@@ -213,6 +214,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     algo_tree = dict(tree.get("algorithm") or {})
     tree_wo_algo = {k: v for k, v in tree.items() if k not in ("algorithm", "rewards")}
     cfg = build(RunConfig, tree_wo_algo, "")
+    # Counts the cores of this machine cannot serve, before torch loads libgomp, which reads OMP_NUM_THREADS
+    threads.check_counts(cfg.train.threads, cfg.rollout.workers if cfg.rollout.placement == "separate" else 0,
+                         cfg.rollout.worker_threads)
     cfg.rewards = rewards_config(tree.get("rewards"))
     check_trackers(cfg)
     if "name" not in algo_tree:
@@ -233,6 +237,14 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rollout.reference_on == "workers" and plugin.source != "online":
         raise ConfigError(f"rollout.reference_on: workers score the batches they sample for the online methods; "
                           f"{plugin.name} scores its reference where it trains")
+    if cfg.rollout.reference_on == "workers" and "ref_logp" not in plugin.needs(cfg.algorithm):
+        beta = f" with algorithm.beta={cfg.algorithm.beta:g}" if hasattr(cfg.algorithm, "beta") else ""
+        raise ConfigError(f"rollout.reference_on: workers hold the reference for the KL term, and {plugin.name}{beta} "
+                          "has none (no reference is loaded); drop rollout.reference_on")
+    if cfg.rollout.tis_cap is not None and plugin.source != "online":
+        raise ConfigError(f"rollout.tis_cap: weighs each token of the samples an online method draws as it trains by "
+                          f"π_trainer / π_rollout, and {plugin.name} trains on none (its rows are given, or sampled "
+                          "once and kept without the rollout engine's log-probs); drop rollout.tis_cap")
     if cfg.rollout.proximal == "sampler" and not plugin.clips_ratio:
         raise ConfigError(f"rollout.proximal: sampler is the π_old of a clipped ratio, which {plugin.name} has not "
                           "(PPO, GRPO's family and GSPO have one)")

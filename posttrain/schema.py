@@ -403,8 +403,8 @@ class RolloutConfig(Freezable):
         if self.reference_on not in REFERENCE_ON:
             raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
         if self.placement == "colocated":
-            moved = [k for k in ("max_staleness", "workers", "worker_threads", "reference_on") if getattr(
-                self, k) != getattr(RolloutConfig, k)]
+            moved = [k for k in ("max_staleness", "workers", "worker_threads", "worker_timeout_s", "max_worker_restarts",
+                                 "weight_bucket_mb", "reference_on") if getattr(self, k) != getattr(RolloutConfig, k)]
             if moved:
                 raise ConfigError(f"{moved[0]}: applies to rollout.placement=separate (got placement=colocated)")
 

@@ -5,7 +5,7 @@ line naming the culprit, exit status 2. Also what `posttrain config` and `--help
 from __future__ import annotations
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain_here
+from cli_helpers import assert_one_line_error, posttrain_fresh, posttrain_here
 
 from posttrain import algorithms
 from posttrain.apps.cli import METHODS
@@ -104,3 +104,102 @@ def test_help_names_every_registered_method():
     listed = [m.split(" (")[0] for m in METHODS.split(";")[0].split(", ")]
     assert sorted(listed) == sorted(names.values())
     assert METHODS in " ".join(posttrain_here("--help").stdout.split())
+
+
+# --- settings that cannot take effect, or would take the machine down ---------------------------------------------
+
+CANNOT_TAKE_EFFECT = [  # (recipe, overrides, fragments): a key given that the run would never read
+    ("grpo_math", ["rollout.placement=separate", "rollout.reference_on=workers", "algorithm.beta=0"],
+     ["rollout.reference_on: workers hold the reference", "grpo with algorithm.beta=0 has none"]),
+    ("gspo_math", ["rollout.placement=separate", "rollout.reference_on=workers"],  # the recipe's β is 0
+     ["rollout.reference_on:", "gspo with algorithm.beta=0 has none"]),
+    ("sft_math", ["rollout.tis_cap=2"], ["rollout.tis_cap: weighs each token of the samples an online method draws",
+                                         "sft trains on none"]),
+    ("rft_math", ["rollout.tis_cap=2"], ["rollout.tis_cap:", "rft trains on none"]),
+    ("dpo_math", ["rollout.tis_cap=2"], ["rollout.tis_cap:", "dpo trains on none"]),
+    ("grpo_math", ["rollout.weight_bucket_mb=16"], ["rollout.weight_bucket_mb: applies to rollout.placement=separate"]),
+    ("grpo_math", ["rollout.worker_timeout_s=30"], ["rollout.worker_timeout_s: applies to rollout.placement=separate"]),
+    ("grpo_math", ["rollout.max_worker_restarts=1"], ["rollout.max_worker_restarts: applies to"]),
+]
+
+
+@pytest.mark.parametrize("recipe, overrides, fragments", CANNOT_TAKE_EFFECT,
+                         ids=["beta0", "gspo", "sft-tis", "rft-tis", "dpo-tis", "bucket", "timeout", "restarts"])
+def test_a_setting_that_cannot_take_effect(recipe, overrides, fragments):
+    """Before: each was accepted, and the run went on without it (a reference held by workers that nothing asked
+    for, a cap on importance weights no sample carries, worker settings with no workers)."""
+    assert_one_line_error(posttrain_here("config", f"recipe={recipe}", *overrides), *fragments)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.placement=separate", "rollout.reference_on=workers"],  # β = 0.04: the workers score the reference
+    ["rollout.tis_cap=2"],  # grpo's samples carry the rollout engine's log-probs
+    ["rollout.placement=separate", "rollout.weight_bucket_mb=16", "rollout.worker_timeout_s=30",
+     "rollout.max_worker_restarts=1"],
+])
+def test_the_same_settings_where_they_take_effect(overrides):
+    proc = posttrain_here("config", "recipe=grpo_math", *overrides)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """This process may use 2 cores, whatever the machine: the affinity {0, 1}, no cgroup quota, one process."""
+    from posttrain.core import threads
+
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: {0, 1})
+    monkeypatch.setattr(threads, "cgroup_quota", lambda root=threads.CGROUP: None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+OVERSUBSCRIBED = [  # (overrides, fragments): more threads or processes than cores
+    (["train.threads=1000"], ["train.threads: 1000 threads on the 2 cores this process may use",
+                              "give at most 2, or 0 to fit them"]),
+    (["train.threads=3"], ["train.threads: 3 threads on the 2 cores"]),
+    (["rollout.placement=separate", "rollout.workers=6"], ["rollout.workers: 6 worker processes on the 2 cores",
+                                                           "give at most 2"]),
+    (["rollout.placement=separate", "rollout.worker_threads=1000"],
+     ["rollout.worker_threads: 1000 threads in each worker on the 2 cores"]),
+    (["rollout.placement=separate", "rollout.workers=2", "rollout.worker_threads=2"],
+     ["rollout.worker_threads: 2 threads in each of 2 workers (4) on the 2 cores"]),
+]
+
+
+@pytest.mark.parametrize("overrides, fragments", OVERSUBSCRIBED,
+                         ids=["threads", "threads-3", "workers", "worker-threads", "workers-x-threads"])
+def test_more_threads_than_cores_is_refused(two_cores, overrides, fragments):
+    """Before: accepted, and a 2-core run slowed from about 11,000 tokens/s to 180-230, saying nothing."""
+    assert_one_line_error(posttrain_here("config", "recipe=grpo_math", *overrides), *fragments)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["train.threads=2"], ["train.threads=1"],
+    ["rollout.placement=separate", "rollout.workers=2", "rollout.worker_threads=1"],  # tests/test_async.py's
+    ["rollout.placement=separate", "rollout.worker_threads=2"],
+])
+def test_as_many_threads_as_cores_are_kept(two_cores, overrides):
+    proc = posttrain_here("config", "recipe=grpo_math", *overrides)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5"])
+def test_omp_num_threads_that_is_no_thread_count(monkeypatch, value):
+    """Before: ignored by posttrain (it fitted the threads as if unset) while libgomp printed its own complaint."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert_one_line_error(posttrain_here("config", "recipe=grpo_math"),
+                          f"OMP_NUM_THREADS: {value!r} in the environment is not a thread count")
+
+
+def test_omp_num_threads_above_the_cores(two_cores, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1000")
+    assert_one_line_error(posttrain_here("config", "recipe=grpo_math"),
+                          "OMP_NUM_THREADS: 1000 threads on the 2 cores this process may use")
+    proc = posttrain_here("config", "recipe=grpo_math", "train.threads=1")  # train.threads wins: 1 thread
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_bad_omp_num_threads_is_one_line_from_a_new_interpreter(monkeypatch):
+    """libgomp complains on stderr when torch loads it: the refusal comes first, so it is the only line."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "abc")
+    assert_one_line_error(posttrain_fresh("config", "recipe=grpo_math"), "OMP_NUM_THREADS: 'abc'")

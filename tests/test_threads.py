@@ -14,6 +14,7 @@ import torch
 
 from posttrain.core import threads
 from posttrain.core.bounded import BoundedPool
+from posttrain.core.errors import ConfigError
 
 
 def test_cgroup_quotas_in_cores(tmp_path):
@@ -52,6 +53,34 @@ def test_pinned_counts(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads.pinned(0) == 1 and threads.pinned(2) == 2  # train.threads wins over the environment
 
+
+def test_omp_num_threads_that_is_no_count_is_refused(monkeypatch):
+    """libgomp ignores such a value (with a complaint of its own); the run used to fit its threads as if unset."""
+    for value in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+        with pytest.raises(ConfigError, match=f"OMP_NUM_THREADS: '{value}' in the environment is not a thread count"):
+            threads.pinned(0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert threads.pinned(0) is None  # empty: unset
+
+
+def test_counts_above_the_cores_are_refused(monkeypatch):
+    """A training process's threads are checked against its share of the cores (LOCAL_WORLD_SIZE); the rollout
+    workers, which the training processes share, against all of them."""
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(threads, "cgroup_quota", lambda root=threads.CGROUP: 2.5)  # 3 cores, rounded up
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    threads.check_counts(3, workers=3, worker_threads=1)
+    with pytest.raises(ConfigError, match="train.threads: 4 threads on the 3 cores this process may use"):
+        threads.check_counts(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"train.threads: 3 threads on the 1 core this process may use \(its share "
+                                          "of 3 among the 3 processes of this machine\)"):
+        threads.check_counts(3)
+    threads.check_counts(1, workers=3, worker_threads=1)
+    with pytest.raises(ConfigError, match="rollout.workers: 4 worker processes on the 3 cores"):
+        threads.check_counts(1, workers=4)
 
 @pytest.fixture
 def restore_threads():

@@ -16,7 +16,11 @@ with one thread (bench/busy_core.py has the figures). So a run
 
 `train.threads=N`, or OMP_NUM_THREADS in the environment (torchrun sets it to 1 for several processes), pins the
 count instead. Thread counts can change the last bits of some reductions, so a run that must repeat bit for bit
-under changing load pins it (on the embedded default, 1 and 2 threads give the same bytes).
+under changing load pins it (on the embedded default, 1 and 2 threads give the same bytes). A pinned count above the
+cores, or rollout workers and their threads beyond them, is refused when the config is loaded (`check_counts`): each
+core then runs several threads that wait for each other at every operation, and a 2-core run of the embedded default
+went from about 11,000 tokens/s to 180-230 with `train.threads=1000`, saying nothing. The check is of the machine it
+runs on, so a config written for a larger one says how many cores this one has.
 
 Worker pools (`posttrain.core.bounded`) start at most as many processes as there are usable cores, each with one
 compute thread, so posttrain's own reward checks never oversubscribe the cores either.
@@ -28,6 +32,8 @@ import math
 import os
 import time
 from pathlib import Path
+
+from posttrain.core.errors import ConfigError
 
 CGROUP = Path("/sys/fs/cgroup")
 WINDOW_S = 2.0  # the shortest interval over which others' load is judged
@@ -56,23 +62,85 @@ def allowed_cpus() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def usable_cores(quota: float | None = None) -> int:
-    """How many cores this process may keep busy: its allowed CPUs, capped by the cgroup quota (rounded up), divided
-    among the processes of this machine (LOCAL_WORLD_SIZE); at least 1."""
+def machine_cores(quota: float | None = None) -> int:
+    """How many cores the processes of this run may keep busy together: the allowed CPUs, capped by the cgroup quota
+    (rounded up); at least 1."""
     cores = len(allowed_cpus())
     quota = cgroup_quota() if quota is None else quota
     if quota:
         cores = min(cores, math.ceil(quota))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, cores // max(1, local))
+    return max(1, cores)
+
+
+def _local_processes() -> int:
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def usable_cores(quota: float | None = None) -> int:
+    """How many cores this process may keep busy: its allowed CPUs, capped by the cgroup quota (rounded up), divided
+    among the processes of this machine (LOCAL_WORLD_SIZE); at least 1."""
+    return max(1, machine_cores(quota) // _local_processes())
+
+
+def env_threads() -> int | None:
+    """OMP_NUM_THREADS as a thread count; None when unset or empty.
+
+    Raises:
+        ConfigError: it is set to anything but a whole number ≥ 1 (libgomp would ignore it with a complaint of its
+            own, and the run fit its threads as if it were unset).
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not env:
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS: {os.environ['OMP_NUM_THREADS']!r} in the environment is not a thread "
+                          "count; set it to a whole number ≥ 1, or unset it to fit the threads to the machine")
+    return int(env)
 
 
 def pinned(requested: int = 0) -> int | None:
     """The thread count the user pinned: `train.threads` when > 0, else OMP_NUM_THREADS when set; None: fit it."""
     if requested > 0:
         return requested
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(env) if env.isdigit() and int(env) > 0 else None
+    return env_threads()
+
+
+def _cores_here(cores: int, shared: bool = False) -> str:
+    """'the N cores this process may use', for a message; `shared`: a process's share of them under LOCAL_WORLD_SIZE."""
+    among = f" (its share of {machine_cores()} among the {_local_processes()} processes of this machine)" \
+        if shared and _local_processes() > 1 else ""
+    return f"the {cores} core{'s' if cores != 1 else ''} this process may use{among}"
+
+
+def check_counts(threads: int, workers: int = 0, worker_threads: int = 0) -> None:
+    """Refuses thread and process counts above the cores of this machine that the run may use, where every core
+    would run several threads that wait for each other at every operation.
+
+    Args:
+        threads: `train.threads` (0: fitted, or OMP_NUM_THREADS when set).
+        workers: `rollout.workers` under separate placement (0: none); the training processes share them.
+        worker_threads: `rollout.worker_threads` (0: the cores shared out, never more than there are).
+
+    Raises:
+        ConfigError: naming the key, the count and the cores; or OMP_NUM_THREADS when it is no count.
+    """
+    env_threads()  # a value that is no count is refused even where train.threads wins: libgomp still reads it
+    key = "train.threads" if threads > 0 else "OMP_NUM_THREADS"
+    wanted, per_process = pinned(threads), usable_cores()
+    if wanted is not None and wanted > per_process:
+        fit = "0" if key == "train.threads" else "unset it"
+        raise ConfigError(f"{key}: {wanted} threads on {_cores_here(per_process, shared=True)} would each wait for "
+                          f"the others at every operation, slowing the run many times over; give at most "
+                          f"{per_process}, or {fit} to fit them to the machine")
+    cores = machine_cores()
+    if workers > cores:
+        raise ConfigError(f"rollout.workers: {workers} worker processes on {_cores_here(cores)} would each wait for "
+                          f"the others at every operation; give at most {cores}")
+    if worker_threads * max(workers, 1) > cores:
+        each = "in each worker" if workers <= 1 else f"in each of {workers} workers ({workers * worker_threads})"
+        raise ConfigError(f"rollout.worker_threads: {worker_threads} threads {each} on {_cores_here(cores)} would "
+                          f"each wait for the others at every operation; give at most {cores // max(workers, 1)}, "
+                          "or 0 to share the cores out")
 
 
 def _busy_seconds(cpus: set[int]) -> float | None:
