@@ -170,3 +170,29 @@ def test_a_missing_split_lists_those_there_and_how_to_pick_one(tmp_path, tiny_mo
     assert_one_line_error(proc, f"{key}: '{saved}' holds the splits validation, extra and no '{wanted}'",
                           f"give a split's own directory, e.g. {key}={saved / 'validation'}")
     assert not (tmp_path / "o").exists()
+
+
+# --- D. token budgets ---------------------------------------------------------------------------------------------
+
+SHORT_RUN = ["train.steps=1", "train.batch_size=2", "eval.num_problems=0", "data.train_size=20", "data.test_size=4"]
+
+
+def test_a_token_budget_below_the_longest_sampled_sequence(tmp_path, tiny_model_dir):
+    """Before: accepted; each sequence then ran as a micro-batch of its own (a 2-step run took over 5 minutes)."""
+    proc = posttrain_here("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.micro_batch_tokens=4",
+                          "algorithm.group_size=2", "rollout.max_new_tokens=6", *SHORT_RUN,
+                          f"output_dir={tmp_path / 'o'}")
+    assert_one_line_error(proc, "train.micro_batch_tokens: 4 tokens are fewer than the longest sequence can take",
+                          "+ rollout.max_new_tokens=6)")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_token_budget_below_the_longest_training_row(tmp_path, tiny_model_dir):
+    """SFT's sequences are its rows: the longest (prompt + response tokens) is named."""
+    rows = [*ROWS, {"question": "1 + 1 + 1 + 1", "answer": "1 + 1 + 1 + 1 = 4, counted one by one\n#### 4"}]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    proc = posttrain_here("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={path}",
+                          "train.micro_batch_tokens=40", *SHORT_RUN, f"output_dir={tmp_path / 'o'}")
+    assert_one_line_error(proc, "train.micro_batch_tokens: 40 tokens are fewer than the longest sequence can take",
+                          "(data.path row 9 is", "tokens, prompt and response)")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()

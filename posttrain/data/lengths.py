@@ -1,5 +1,6 @@
 """Prompt lengths, checked once over a run's rows before training: a warning when prompts are cut, or when one prompt
-is so much longer than the rest that every batch drawing it is padded to its length.
+is so much longer than the rest that every batch drawing it is padded to its length; and a token budget
+(`train.micro_batch_tokens`) that the longest sequence would not fit, refused.
 
 A batch is padded to its longest prompt, so one 20,000-character question among short ones makes the steps that draw
 it many times slower (a 2-step run took 236 s instead of 14 s), and nothing else says why. The check tokenizes the
@@ -12,7 +13,8 @@ import dataclasses
 import statistics
 import sys
 
-from posttrain.data.rows import prompt_ids
+from posttrain.core.errors import ConfigError
+from posttrain.data.rows import prompt_ids, response_ids
 from posttrain.schema import RunConfig
 
 RATIO = 4  # the longest prompt, as cut, over the median prompt, beyond which it is said to dominate the padding
@@ -57,6 +59,44 @@ def long_prompts(tokenizer, train: list[dict], test: list[dict], cfg: RunConfig)
     return (f"{where}'s prompt is {n:,} tokens, {ratio}: every batch that draws it is padded to its length, which "
             f"slows its step (data.max_prompt_len={cap} bounds prompts: lower it, or drop the row)")
 
+
+def longest_sequence(tokenizer, train: list[dict], cfg: RunConfig, given: bool) -> tuple[int, str]:
+    """The most tokens one training sequence can take, and what makes it so, for a message.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        train: the training rows.
+        cfg: the run's config.
+        given: the rows hold the responses trained on (SFT): a row's prompt and response tokens, as cut; else the
+            responses are sampled: the longest prompt, as cut, and a completion of rollout.max_new_tokens.
+
+    Past SAMPLE rows, an even sample and the rows with the longest questions are read (`_picked`).
+    """
+    picked = _picked(train, cfg.data.prompt_field)[1]
+    rows = [train[i] for i in picked]
+    lengths = list(map(len, prompt_ids(tokenizer, rows, cfg.data)))
+    if given:
+        lengths = [p + len(r) for p, r in zip(lengths, response_ids(tokenizer, rows, cfg.data))]
+    at = max(range(len(rows)), key=lengths.__getitem__)
+    where = _where(picked[at], len(train), cfg)
+    if given:
+        return lengths[at], f"{where} is {lengths[at]:,} tokens, prompt and response"
+    new = cfg.rollout.max_new_tokens
+    return lengths[at] + new, f"{where}'s prompt, {lengths[at]:,} tokens, + rollout.max_new_tokens={new}"
+
+
+def check_token_budget(tokenizer, train: list[dict], cfg: RunConfig, given: bool) -> None:
+    """Refuses a `train.micro_batch_tokens` below the longest training sequence (`longest_sequence`): each sequence
+    over the budget runs as a micro-batch of its own, and a budget below every one (4 tokens, meant as rows, say) ran
+    a 2-step run for over 5 minutes, one sequence at a time, saying nothing."""
+    budget = cfg.train.micro_batch_tokens
+    if budget is None or not train:
+        return
+    longest, why = longest_sequence(tokenizer, train, cfg, given)
+    if budget < longest:
+        raise ConfigError(f"train.micro_batch_tokens: {budget:,} tokens are fewer than the longest sequence can take, "
+                          f"{longest:,} ({why}), and each sequence over the budget runs as a micro-batch of its own; "
+                          f"give at least {longest}, or null for micro-batches of train.micro_batch_size rows")
 
 def _picked(rows: list[dict], field: str) -> tuple[list[int], list[int]]:
     """(the rows the median is taken over, every row to tokenize): all of them, or past SAMPLE rows an even sample

@@ -21,6 +21,7 @@ from posttrain.core.schedules import lr_factor
 from posttrain.core.threads import allowed_cpus, usable_cores
 from posttrain.data import uses_chat
 from posttrain.data.difficulty import AdaptiveGroups
+from posttrain.data.lengths import check_token_budget
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import check_files, load, stop_token_ids
@@ -58,6 +59,10 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     if adapters.r:
         policy = lora.apply(policy, adapters, model_path)
     uses_chat(tokenizer, cfg.data)  # chat_template=true without a template fails here, before any work
+    if not getattr(a, "pairs_path", None):  # a pair file's sequences are read by its source, not from the rows
+        # the offline source trains on the rows' own responses; every other one on responses sampled up to
+        # rollout.max_new_tokens (the prompts' lengths need the tokenizer, hence here)
+        check_token_budget(tokenizer, train_rows, cfg, given=plugin.source == "offline")
     judge = judges.build(cfg, backend.device, with_reward_model="reward" in needs, place=backend.freeze,
                          tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision)
 
