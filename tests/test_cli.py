@@ -27,6 +27,18 @@ def test_recipes_and_help():
         assert posttrain(*args).returncode == 0
 
 
+def test_eval_requires_only_the_model_directory():
+    """Overrides are optional: before, `posttrain eval` alone said "required: MODEL_DIR, key=value"."""
+    proc = posttrain_here("eval")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("posttrain eval: error: the following arguments are required: "
+                                                    "MODEL_DIR")
+    shown = " ".join(posttrain_here("eval", "--help").stdout.split())
+    assert "posttrain eval [-h] [-o OUTPUT] [--base DIR] [-q] MODEL_DIR [key=value ...]" in shown
+    assert "MODEL_DIR a model directory, or a LoRA run's model/ (an adapter, evaluated on its base)" in shown
+    assert "key=value optional overrides: recipe=NAME" in shown
+
+
 def test_a_forked_command_is_the_fresh_interpreters(tiny_model_dir, tmp_path):
     """`posttrain()` forks its commands from tests/zygote.py: a run there writes what a new interpreter writes."""
     args = ["run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.steps=2", "train.threads=1", *FAST]

@@ -187,8 +187,11 @@ def parser() -> argparse.ArgumentParser:
                         "eval.k pass@k (unbiased, from eval.n ≥ k samples per problem) and maj@k (majority vote over "
                         "the final answers of k samples), on the recipe's held-out problems (grpo_math's embedded "
                         "task by default). Writes per-problem records to eval.json.", epilog=EPILOG)
-    ev.add_argument("model", metavar="MODEL_DIR")
-    ev.add_argument("overrides", nargs="*", metavar="key=value")
+    ev.add_argument("model", metavar="MODEL_DIR", help="a model directory, or a LoRA run's model/ (an adapter, "
+                    "evaluated on its base)")
+    # default=[]: argparse counts a `*` positional without a default as required, and names it when MODEL_DIR is missing
+    ev.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                    help="optional overrides: recipe=NAME (grpo_math), eval.k=8, data.test_path=…, …")
     ev.add_argument("-o", "--output", default="eval.json", help="where to write the report (default: eval.json; "
                     "an existing file is never replaced)")
     ev.add_argument("--base", metavar="DIR", help="for a LoRA adapter (a LoRA run's model/): its base model, when "
