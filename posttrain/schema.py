@@ -120,8 +120,9 @@ class DataConfig(Freezable):
     """Training rows: a .jsonl or .parquet file or a `datasets` directory (save_to_disk: of a DatasetDict, its train
     split; name a split's own directory, DIR/validation, for another); null: the embedded task."""
     test_path: str | None = None
-    """Held-out rows for evaluation, same format (of a DatasetDict, its test split); null with `path` set: the last
-    `eval.num_problems` rows of `path`."""
+    """Held-out rows for evaluation, same format (of a DatasetDict, its test split); null with `path` set: the test
+    split of `path` when it is a DatasetDict's directory that has one, else the last `eval.num_problems` rows of
+    `path`. A held-out question evaluated that a training row asks too is refused, naming both files."""
     prompt_field: str | None = None
     """Field holding the question (gsm8k, embedded: question; math: problem)."""
     response_field: str | None = None

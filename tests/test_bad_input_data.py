@@ -1,10 +1,12 @@
 """Bad model directories and data files, refused before any work as one line naming the file (and the row and field),
 exit status 2, with nothing left on disk: corrupt weights and JSON files of a model directory, rows whose answer the
-run could not score or whose target is no text, and `datasets` directories of several splits."""
+run could not score or whose target is no text, `datasets` directories of several splits, held-out questions that are
+training questions, and token budgets no sequence fits."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import datasets
@@ -18,6 +20,7 @@ from posttrain.sources import run_splits
 from posttrain.sources.pairs import pairs_from_file
 
 ROWS = [{"question": f"{i} + 1", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(8)]
+OTHERS = [{"question": f"{i} * 2", "answer": f"#### {2 * i}"} for i in range(4)]  # questions ROWS has not
 
 
 def write_rows(path, rows, at: int | None = None, row: dict | None = None):
@@ -30,6 +33,12 @@ def write_rows(path, rows, at: int | None = None, row: dict | None = None):
 @pytest.fixture
 def good(tmp_path):
     return write_rows(tmp_path / "good.jsonl", ROWS)
+
+
+@pytest.fixture
+def other(tmp_path):
+    """Held-out rows whose questions are not ROWS's."""
+    return write_rows(tmp_path / "other.jsonl", OTHERS)
 
 
 # --- A. model directories ---------------------------------------------------------------------------------------
@@ -62,10 +71,10 @@ def test_eval_names_the_unreadable_file_of_a_model(tmp_path, tiny_model_dir, goo
     assert not out.exists()
 
 
-def test_run_refuses_truncated_weights_before_the_run_directory(tmp_path, tiny_model_dir, good):
+def test_run_refuses_truncated_weights_before_the_run_directory(tmp_path, tiny_model_dir, good, other):
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
     truncate(model / "model.safetensors")
-    proc = posttrain("run", "recipe=sft_math", f"model.path={model}", f"data.path={good}", f"data.test_path={good}",
+    proc = posttrain("run", "recipe=sft_math", f"model.path={model}", f"data.path={good}", f"data.test_path={other}",
                      f"output_dir={tmp_path / 'o'}")
     assert_one_line_error(proc, f"model.path: '{model / 'model.safetensors'}' cannot be read as safetensors "
                                 "(truncated or corrupt): ")
@@ -122,13 +131,13 @@ def splits(tiny_model_dir, recipe, *overrides):
     return run_splits(cfg)
 
 
-def test_an_answer_is_checked_the_way_the_run_reads_it(tmp_path, tiny_model_dir, good):
+def test_an_answer_is_checked_the_way_the_run_reads_it(tmp_path, tiny_model_dir, good, other):
     """Text with no number is a fine SFT target (never judged) and a fine math-verify reference, but no reference for
     GRPO's number rule. Before: GRPO took it too, and stopped at its first step."""
     text = write_rows(tmp_path / "text.jsonl", ROWS, 2, {"question": "x", "answer": "seven apples"})
-    train, _ = splits(tiny_model_dir, "sft_math", f"data.path={text}", f"data.test_path={good}")
+    train, _ = splits(tiny_model_dir, "sft_math", f"data.path={text}", f"data.test_path={other}")
     assert train[2]["answer"] == "seven apples"
-    assert len(splits(tiny_model_dir, "grpo_math", f"data.path={text}", f"data.test_path={good}",
+    assert len(splits(tiny_model_dir, "grpo_math", f"data.path={text}", f"data.test_path={other}",
                       "data.answer_format=math")[0]) == 8
     with pytest.raises(DataError, match="row 3: 'answer' holds no number"):
         splits(tiny_model_dir, "grpo_math", f"data.path={text}", f"data.test_path={good}")
@@ -172,7 +181,57 @@ def test_a_missing_split_lists_those_there_and_how_to_pick_one(tmp_path, tiny_mo
     assert not (tmp_path / "o").exists()
 
 
-# --- D. token budgets ---------------------------------------------------------------------------------------------
+def test_a_dataset_dict_given_as_data_path_alone_is_held_out_on_its_test_split(tmp_path, tiny_model_dir):
+    """Before: the held-out rows were the last eval.num_problems rows of its train split, and its test split was
+    never read."""
+    both = save_splits(tmp_path / "gsm8k", train=ROWS[:6], test=ROWS[6:])
+    train, test = splits(tiny_model_dir, "sft_math", f"data.path={both}", "eval.num_problems=2")
+    assert (train, test) == (ROWS[:6], ROWS[6:])
+
+
+def test_a_dataset_dict_without_a_test_split_holds_out_its_tail(tmp_path, tiny_model_dir):
+    only = save_splits(tmp_path / "only", train=ROWS)
+    assert splits(tiny_model_dir, "sft_math", f"data.path={only}", "eval.num_problems=2") == (ROWS[:6], ROWS[6:])
+
+
+# --- D. held-out questions that are training questions --------------------------------------------------------------
+
+
+def test_the_training_file_as_the_held_out_file_is_refused(tmp_path, tiny_model_dir, good):
+    """Before: accepted, and the held-out accuracy was measured on the training rows."""
+    proc = posttrain_here("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={good}",
+                          f"data.test_path={good}", "train.steps=1", "eval.num_problems=3",
+                          f"output_dir={tmp_path / 'o'}")
+    assert_one_line_error(proc, f"data.test_path: 3 of the 3 held-out questions evaluated ('{good}') are in "
+                                f"data.path ('{good}') too")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_question_in_both_files_is_counted(tmp_path, tiny_model_dir, good):
+    test = write_rows(tmp_path / "test.jsonl", [*OTHERS, {**ROWS[5], "answer": "#### 6.0"}])  # one training question
+    with pytest.raises(DataError, match=re.escape(f"data.test_path: 1 of the 5 held-out questions evaluated "
+                                                  f"('{test}') is in data.path ('{good}') too")):
+        splits(tiny_model_dir, "grpo_math", f"data.path={good}", f"data.test_path={test}", "eval.num_problems=5")
+    # held-out rows past eval.num_problems are never evaluated, and an evaluation of none compares nothing
+    assert splits(tiny_model_dir, "grpo_math", f"data.path={good}", f"data.test_path={test}", "eval.num_problems=4")
+    assert splits(tiny_model_dir, "grpo_math", f"data.path={good}", f"data.test_path={good}", "eval.num_problems=0")
+
+
+def test_a_held_out_tail_that_repeats_a_training_question(tmp_path, tiny_model_dir):
+    rows = write_rows(tmp_path / "rows.jsonl", [*ROWS, {"question": " 0 +  1 ", "answer": "#### 1"}])  # as row 1
+    with pytest.raises(DataError, match=re.escape(f"data.path: 1 of the 2 held-out questions evaluated ('{rows}' "
+                                                  "rows 8-9) is in its training rows (rows 1-7) too")):
+        splits(tiny_model_dir, "sft_math", f"data.path={rows}", "eval.num_problems=2")
+
+
+def test_a_dataset_dict_whose_test_split_repeats_its_train_split(tmp_path, tiny_model_dir):
+    both = save_splits(tmp_path / "ds", train=ROWS, test=ROWS[6:] + OTHERS)
+    with pytest.raises(DataError, match=re.escape(f"data.path: 2 of the 6 held-out questions evaluated "
+                                                  f"('{both / 'test'}') are in its train split ('{both / 'train'}')")):
+        splits(tiny_model_dir, "sft_math", f"data.path={both}", "eval.num_problems=6")
+
+
+# --- E. token budgets ---------------------------------------------------------------------------------------------
 
 SHORT_RUN = ["train.steps=1", "train.batch_size=2", "eval.num_problems=0", "data.train_size=20", "data.test_size=4"]
 

@@ -14,7 +14,7 @@ import statistics
 import sys
 
 from posttrain.core.errors import ConfigError
-from posttrain.data.rows import prompt_ids, response_ids
+from posttrain.data.rows import held_out_split, prompt_ids, response_ids
 from posttrain.schema import RunConfig
 
 RATIO = 4  # the longest prompt, as cut, over the median prompt, beyond which it is said to dominate the padding
@@ -116,4 +116,6 @@ def _where(i: int, num_train: int, cfg: RunConfig) -> str:
     j = i - num_train
     if d.test_path:
         return f"data.test_path row {j + 1}"
+    if d.path and held_out_split(d.path) is not None:
+        return f"data.path's test split row {j + 1}"
     return f"data.path row {num_train + j + 1}" if d.path else f"held-out row {j + 1}"

@@ -131,7 +131,13 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     answer's text from being checked by the judge (None: nothing does): it is asked of every held-out row's answer, and
     of every training row's when `judged` (the method judges its training rows' answers too), so a row the run could
     not score is refused before training, naming its file, row and field. With only `test_path` (enough for
-    `posttrain eval`) there are no training rows."""
+    `posttrain eval`) there are no training rows. Without `test_path`, the held-out rows are `path`'s own test split
+    when it is a `datasets` directory of splits that has one, else its last `num_test` rows.
+
+    Raises:
+        DataError: a row lacks a field or an answer the judge can read, or a held-out question to be evaluated (of
+            the first `num_test`) is a training question too.
+    """
     if cfg.preset == "embedded":
         return embedded.task_splits(cfg.seed, cfg.train_size, cfg.test_size, cfg.difficulty, cfg.max_operand,
                                      cfg.task)
@@ -144,7 +150,8 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
         return train, test
     answer = {cfg.answer_field: reference} if reference is not None else {}
     train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
-    if cfg.test_path is None:  # hold out the tail, so evaluation never sees a training row
+    held_out = held_out_split(cfg.path) if cfg.test_path is None and cfg.path is not None else None
+    if cfg.test_path is None and held_out is None:  # hold out the tail, so evaluation never sees a training row
         if len(train) <= num_test:
             raise DataError(f"data.path: '{cfg.path}' has {len(train)} rows, too few to hold out {num_test} "
                             f"for eval; set data.test_path or a smaller eval.num_problems")
@@ -154,9 +161,53 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     if cfg.test_path is not None:
         test = read_rows(cfg.test_path, "data.test_path", split="test")
         check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.test_path", cfg.test_path, answer)
+        where = ("data.test_path", f"'{cfg.test_path}'", f"data.path ('{cfg.path}')")
+    elif held_out is not None:  # a DatasetDict's own test split, as data.test_path=DIR would read it
+        test = read_rows(held_out, "data.path")
+        check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.path", held_out, answer)
+        where = ("data.path", f"'{held_out}'", f"its train split ('{held_out.with_name('train')}')")
     else:
         check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.path", cfg.path, answer, first=len(train) + 1)
+        where = ("data.path", f"'{cfg.path}' rows {len(train) + 1}-{len(train) + len(test)}",
+                 f"its training rows (rows 1-{len(train)})")
+    _check_apart(train, test[:num_test], cfg.prompt_field, *where)
     return train, test
+
+
+def held_out_split(path: str | Path) -> Path | None:
+    """The directory of the `test` split of a `datasets` directory of splits (`DatasetDict.save_to_disk`, which lists
+    them in dataset_dict.json), where `data.path` alone names one: its held-out rows. None for anything else."""
+    listing = Path(path) / "dataset_dict.json"
+    try:
+        splits = json.loads(listing.read_text()).get("splits", [])
+    except (OSError, ValueError, AttributeError):  # not a directory of splits, or not the listing datasets writes
+        return None
+    return Path(path) / "test" if "test" in splits else None
+
+
+def _question(row: dict, field: str) -> str:
+    return " ".join(str(row[field]).split())  # spacing apart, the same question
+
+
+def _check_apart(train: list[dict], evaluated: list[dict], field: str, key: str, held_out: str, trained: str) -> None:
+    """Refuses held-out rows to be evaluated whose question a training row asks too: their accuracy would be measured
+    on training data. Real splits share none (GSM8K's train and test, for one), so even a few mean the files were
+    mixed up (data.test_path naming the training file) or built with a leak; it is the files that must change.
+
+    Args:
+        train: the training rows.
+        evaluated: the held-out rows evaluated (the first eval.num_problems).
+        field: the question's field.
+        key, held_out, trained: the config key to name, where the held-out rows are, and where the training rows are.
+    """
+    if not train or not evaluated:
+        return
+    asked = {_question(row, field) for row in train}
+    shared = sum(_question(row, field) in asked for row in evaluated)
+    if shared:
+        raise DataError(f"{key}: {shared} of the {len(evaluated)} held-out questions evaluated ({held_out}) "
+                        f"{'is' if shared == 1 else 'are'} in {trained} too, so held-out accuracy would be measured "
+                        "on training data; remove them from one of the two")
 
 
 def uses_chat(tokenizer, cfg: DataConfig) -> bool:
