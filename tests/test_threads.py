@@ -76,7 +76,7 @@ def test_counts_above_the_cores_are_refused(monkeypatch):
         threads.check_counts(4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"train.threads: 3 threads on the 1 core this process may use \(its share "
-                                          "of 3 among the 3 processes of this machine\)"):
+                                          r"of 3 among the 3 processes of this machine\)"):
         threads.check_counts(3)
     threads.check_counts(1, workers=3, worker_threads=1)
     with pytest.raises(ConfigError, match="rollout.workers: 4 worker processes on the 3 cores"):
