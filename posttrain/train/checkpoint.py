@@ -10,12 +10,21 @@ beside the weights:
 - `process_<rank>.pt`: each process's random generators (python, numpy, torch, CUDA) and its controllers
   (posttrain.train.controllers: its row draws, pass rates, elite pool, temperature, β, early stopping), and under
   `rollout.placement=separate` the batches sampled ahead but not yet trained on, and the workers' generator streams;
-- `trainer_state.json`, written last: the step, the evaluations and wall time so far, the start model and the config.
+- `trainer_state.json`: the step, the evaluations and wall time so far, the start model and the config;
+- `manifest.json`, written last: every other file's size, and the sha256 of those up to `HASHED_BYTES` (the run and
+  process states, the configs and tokenizer; the large weight and optimizer files are checked by size alone, as
+  hashing them would read every checkpoint twice).
 
 A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N` only once every file is in it, so a
 kill at any moment leaves the previous checkpoints and at most a temporary directory, never a torn `step_N`
 (a rename is atomic; a kill does not lose what was written to the page cache, so nothing is fsynced).
 `train.keep_checkpoints` bounds how many are kept, newest first.
+
+What happens to a checkpoint after it is written (a copy cut short, a full disk, a file removed or emptied by hand) is
+found on resume: a checkpoint is resumed from only once its files match its manifest (`damage`). A damaged newest
+checkpoint is skipped for the newest that verifies, with a line saying so; with none, or a damaged one named by
+`resume=`, the run is refused in one line naming the file. A checkpoint of an older posttrain, without a manifest, is
+checked for its run state and process files, and an error loading the rest is one line naming the file too.
 
 What is built at the start (the reference model, RFT's samples, DPO's pairs) is not saved: a resumed run builds it
 again from the same start model and seed, then puts the saved state back (`restore`). A run resumes with the
@@ -24,6 +33,8 @@ backend and process count that wrote the checkpoint; every process must see the 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import random
 import re
@@ -33,11 +44,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from posttrain.core.errors import ConfigError
+from posttrain.core.errors import ConfigError, UserError
 from posttrain.core.faults import crash_point  # noqa: F401 - the loop calls it from here
 from posttrain.models.lora import BASE_COPY
+from posttrain.rollout.workers import one_line
 
-TRAINING_STATE, RUN_STATE = "training_state", "trainer_state.json"
+TRAINING_STATE, RUN_STATE, MANIFEST = "training_state", "trainer_state.json", "manifest.json"
+HASHED_BYTES = 64 * 2**20  # files up to this size are hashed into the manifest, larger ones recorded by size
+# What the loop reads of a run state (`check`, `run`): one without them is damaged.
+RUN_STATE_KEYS = ("step", "world_size", "model_path", "config", "wall_seconds", "evaluations", "skipped")
 STEP_DIR = re.compile(r"step_(\d+)")
 # Keys a resumed run may change: how long it runs and how often it saves. Not eval.*: eval.num_problems sets the
 # held-out rows (and so the training rows) without data.test_path, and sampled evaluation draws from the generators.
@@ -81,6 +96,7 @@ class Checkpoints:
         if backend.is_main:
             (tmp / RUN_STATE).write_text(json.dumps({"step": step, "world_size": backend.world_size,
                                                      "backend": backend.name, **run_state}, indent=1))
+            write_manifest(tmp)  # last: what a resumed run checks every other file against
             shutil.rmtree(final, ignore_errors=True)  # a step_N a resumed run is about to write again
             tmp.rename(final)
             self.prune()
@@ -121,36 +137,100 @@ def complete(parent: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find(resume: bool | str, staging: Path, overwrite: bool = False) -> Path | None:
-    """The checkpoint `resume` names: with true, the newest complete one of the unfinished run in `staging`; with
-    auto, the same when there is one (and overwrite is off), else None, a fresh start; with false, None.
+def find(resume: bool | str, staging: Path, overwrite: bool = False) -> tuple[Path | None, list[str]]:
+    """The checkpoint `resume` names: with true, the newest one of the unfinished run in `staging` that verifies
+    (`damage`); with auto, the same when there is a complete one (and overwrite is off), else None, a fresh start;
+    with false, None. Also returns a notice for each newer checkpoint skipped as damaged.
 
     Raises:
-        ConfigError: naming `resume`, when there is none (true), or the one named is incomplete or not resumable.
+        ConfigError: naming `resume`, when there is none (true), when every one is damaged (naming the newest's
+            damaged file), or the one named is incomplete, damaged or not resumable.
     """
     if resume is False:
-        return None
+        return None, []
     if resume == "auto":
         found = complete(staging / "checkpoints")
         if overwrite or not found:
-            return None
+            return None, []
         resume = True
+    skipped = []
     if resume is True:
         found = complete(staging / "checkpoints")
         if not found:
             raise ConfigError(f"resume: no complete checkpoint in '{staging / 'checkpoints'}' to continue from "
                               "(a run writes them every train.save_every steps)")
-        path = found[-1]
+        for path in reversed(found):
+            if (why := damage(path)) is None:
+                break
+            skipped.append((path, why))
+        else:
+            path, why = skipped[0]
+            raise ConfigError(f"resume: '{path}' is damaged ({why}), and so is every older checkpoint there; "
+                              "overwrite=true starts afresh")
+        notices = [f"{p} is damaged ({why}); skipped for {path}" for p, why in skipped]
     else:
-        path = Path(resume)
+        path, notices = Path(resume), []
         if not (path / RUN_STATE).is_file():
             raise ConfigError(f"resume: '{path}' is not a complete checkpoint (no {RUN_STATE}); give a "
                               "checkpoints/step_N directory")
+        if (why := damage(path)) is not None:
+            raise ConfigError(f"resume: '{path}' is damaged ({why}); give another checkpoints/step_N")
     if not (path / TRAINING_STATE).is_dir():
         raise ConfigError(f"resume: '{path}' has no {TRAINING_STATE}/ directory, so nothing to continue from: the "
                           "model only, or a checkpoint of an older posttrain (one training_state.pt), which this one "
                           "does not read")
-    return path
+    return path, notices
+
+
+def write_manifest(path: Path) -> None:
+    """`path`/manifest.json: the size of every file under `path`, and the sha256 of those up to HASHED_BYTES."""
+    files = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            size = f.stat().st_size
+            files[f.relative_to(path).as_posix()] = {"bytes": size, **({"sha256": sha256(f)}
+                                                                      if size <= HASHED_BYTES else {})}
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint at `path`, naming the file ("process_0.pt is missing"), or None when it
+    verifies: every file of its manifest there, with its size and hash. One written by an older posttrain, without a
+    manifest: its run state readable, with what the loop reads, and every process's state there, not empty (the rest
+    is checked as it loads, `restore`)."""
+    if (path / MANIFEST).is_file():
+        try:
+            files = json.loads((path / MANIFEST).read_text())["files"]
+        except (ValueError, KeyError, TypeError):
+            return f"{MANIFEST} cannot be read"
+        for name, entry in files.items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} is missing"
+            if (size := f.stat().st_size) != entry["bytes"]:
+                return f"{name} has {size:,} bytes of the {entry['bytes']:,} written"
+            if "sha256" in entry and sha256(f) != entry["sha256"]:
+                return f"{name} is not what was written (its sha256 differs)"
+        return None
+    try:
+        run_state = json.loads((path / RUN_STATE).read_text())
+    except (OSError, ValueError) as err:
+        return f"{RUN_STATE} cannot be read ({type(err).__name__})"
+    if not isinstance(run_state, dict) or (missing := [k for k in RUN_STATE_KEYS if k not in run_state]):
+        return f"{RUN_STATE} lacks {', '.join(missing) if isinstance(run_state, dict) else 'its keys'}"
+    for rank in range(run_state["world_size"]):
+        f = path / f"process_{rank}.pt"
+        if not f.is_file() or not f.stat().st_size:
+            return f"{f.name} is {'empty' if f.is_file() else 'missing'}"
+    return None
 
 
 def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict:
@@ -168,10 +248,20 @@ def check(path: Path, model_path: Path, resolved: dict, world_size: int) -> dict
         raise ConfigError(f"resume: '{path}' continues a run that started from '{run_state['model_path']}', "
                           f"not '{Path(model_path).resolve()}'")
     changed = differences(run_state["config"], resolved)
+    changed.sort(key=lambda change: change[0] != "algorithm.name")  # another method first: the rest follows from it
     if changed:
         key, old, new = changed[0]
+        if key == "algorithm.name":
+            raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}: a {new} run cannot "
+                              f"continue a {old} run's checkpoint; give another output_dir, or overwrite=true to "
+                              "start afresh")
         raise ConfigError(f"resume: {key} was {old!r} in the run being resumed, now {new!r}; only these may change: "
                           f"{', '.join(MAY_CHANGE)}")
+    steps = resolved["train"]["steps"]
+    if steps < run_state["step"]:
+        raise ConfigError(f"train.steps: {steps} is below step {run_state['step']} of the checkpoint resumed from "
+                          f"('{path}'); give train.steps={run_state['step']} or more, or overwrite=true to start "
+                          "afresh")
     return run_state
 
 
@@ -179,8 +269,10 @@ def restore(path: Path, engine) -> None:
     """Puts the checkpoint at `path` back into `engine`: trained models, optimizers, schedules, controllers and
     random generators (`check` first)."""
     backend = engine.backend
-    engine.load_training_state(path / TRAINING_STATE)
-    mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
+    with loading(path, TRAINING_STATE + "/"):
+        engine.load_training_state(path / TRAINING_STATE)
+    with loading(path, f"process_{backend.rank}.pt"):
+        mine = torch.load(path / f"process_{backend.rank}.pt", map_location="cpu", weights_only=False)
     if "controllers" not in mine:
         raise ConfigError(f"resume: '{path}' was written by an older posttrain, whose checkpoints kept the run's "
                           "changing state in the data source; start the run afresh")
@@ -189,6 +281,23 @@ def restore(path: Path, engine) -> None:
         engine.producer.load_state_dict(mine["pipeline"])
     set_rng_state(mine["rng"])
     engine.sync_rollout()  # vLLM started from the start model's files
+
+
+@contextlib.contextmanager
+def loading(path: Path, name: str):
+    """Turns an error loading `name` of the checkpoint at `path` (one an older posttrain wrote, without a manifest to
+    verify it against, or damaged past what the manifest checks) into one line naming the file.
+
+    Raises:
+        ConfigError: naming the checkpoint, the file and the error.
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the format's reader raises on a damaged file
+        raise ConfigError(f"resume: '{path}' is damaged ({name} cannot be read: {one_line(err)[:200]}); give "
+                          "another checkpoints/step_N, or overwrite=true to start afresh") from None
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:

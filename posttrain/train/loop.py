@@ -56,9 +56,11 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
-    checkpoint = checkpoints.find(cfg.resume, run_dir.path, cfg.overwrite)
+    checkpoint, skipped = checkpoints.find(cfg.resume, run_dir.path, cfg.overwrite)
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
+    for notice in skipped if main else ():  # damaged newer checkpoints, passed over for the newest that verifies
+        print(f"posttrain: notice: {notice}", file=sys.stderr)
     summary = {"algorithm": algorithm_of(cfg).name, **(summary or {}), "world_size": backend.world_size,
                "backend": backend.name, "precision": cfg.train.precision, "precision_requested": requested,
                "threads": threads.threads}
