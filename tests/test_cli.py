@@ -30,9 +30,10 @@ def test_recipes_and_help():
 def test_eval_requires_only_the_model_directory():
     """Overrides are optional: before, `posttrain eval` alone said "required: MODEL_DIR, key=value"."""
     proc = posttrain_here("eval")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("posttrain eval: error: the following arguments are required: "
-                                                    "MODEL_DIR")
+    assert_one_line_error(proc, "the following arguments are required: MODEL_DIR (see posttrain eval --help)")
+    for args, says in ((("run", "--bogus"), "unrecognized arguments: --bogus"), (("frob",), "invalid choice: 'frob'"),
+                       ((), "required: COMMAND")):  # usage errors are one line too, not the usage block and a line
+        assert_one_line_error(posttrain_here(*args), says, "(see posttrain --help)")
     shown = " ".join(posttrain_here("eval", "--help").stdout.split())
     assert "posttrain eval [-h] [-o OUTPUT] [--base DIR] [-q] MODEL_DIR [key=value ...]" in shown
     assert "MODEL_DIR a model directory, or a LoRA run's model/ (an adapter, evaluated on its base)" in shown

@@ -153,8 +153,16 @@ def cmd_env(args) -> int:
     return env.main(as_json=args.json)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line like every other bad input's: the message and where help is,
+    without the usage block before it (`--help` prints that)."""
+
+    def error(self, message: str):
+        self.exit(2, f"posttrain: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
+    p = Parser(prog="posttrain", description="Post-training methods as gradient-coefficient plugins "
                                 f"over one shared engine: {METHODS}.", epilog=EPILOG)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="train with a recipe", description="Train: posttrain run recipe=grpo_math "
