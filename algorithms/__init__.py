@@ -11,12 +11,18 @@ which method it runs. Helpers that several methods share live in `common.py`.
 """
 
 import importlib
+import pkgutil
 
 from posttrain.algorithms.base import REGISTRY, Algorithm, get, plugin_of, register
 
 __all__ = ["REGISTRY", "Algorithm", "get", "plugin_of", "register"]
 
-# The built-in methods register themselves on import, in the order of the paper's Table 10 (the order listings use),
-# then GRPO's family in the order of publication (GRPO+PS, from GRPO's own paper, first).
-for _module in ("sft", "rft", "online_rft", "dpo", "ppo", "grpo", "grpo_ps", "rloo", "reinforce_pp", "gspo"):
+# Every module of this folder but the shared ones is a method that registers itself on import: a new method is one
+# new file here (or anywhere, named as algorithm.name=path/to/file.py:Class). Listings follow the paper's Table 10,
+# then GRPO's family in the order of publication (GRPO+PS, from GRPO's own paper, first); any other module after them,
+# by name.
+LISTING = ("sft", "rft", "online_rft", "dpo", "ppo", "grpo", "grpo_ps", "rloo", "reinforce_pp", "gspo")
+_SHARED = ("base", "common")
+_methods = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in _SHARED and not m.name.startswith("_")]
+for _module in sorted(_methods, key=lambda n: (LISTING.index(n) if n in LISTING else len(LISTING), n)):
     importlib.import_module(f"posttrain.algorithms.{_module}")

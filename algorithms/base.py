@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from posttrain.core.errors import ConfigError
 from posttrain.core.registry import Registry
 
 REGISTRY = Registry("algorithm", "algorithm.name")  # name -> plugin class
@@ -136,4 +138,36 @@ def plugin_of(config: Any) -> type[Algorithm]:
         raise ValueError(f"no plugin has config type {type(config).__name__}") from None
 
 
-get = REGISTRY.find
+PREFIX = "posttrain_custom_method"  # the module name of a method's file: PREFIX_<hash of its path>
+FILE_ENTRY = "path/to/file.py:Class, an Algorithm subclass in a local file"
+
+
+def get(name: str) -> type[Algorithm]:
+    """The plugin `algorithm.name` names: a registered method, or `path/to/file.py:Class` (a plugin in a local file,
+    imported now, named by its class and known to `plugin_of`, but not listed with the built-in methods). ConfigError
+    naming algorithm.name for an unknown name, a file that is missing or fails to import, or a class that is no
+    plugin."""
+    name = str(name)
+    if not (":" in name or "/" in name or name.endswith(".py")):  # a registered name; else a file's entry
+        return REGISTRY.find(name)
+    from posttrain.core.files import load_entry
+
+    path, attr, plugin = load_entry(name, REGISTRY.key, PREFIX, FILE_ENTRY)
+    if not (isinstance(plugin, type) and issubclass(plugin, Algorithm)):
+        what = "nothing" if plugin is None else f"a {type(plugin).__name__}" if not isinstance(plugin, type) \
+            else f"the class {plugin.__name__}, not an Algorithm subclass"
+        raise ConfigError(f"{REGISTRY.key}: {attr!r} in '{path}' is {what}; expected {FILE_ENTRY}")
+    if not dataclasses.is_dataclass(plugin.Config):
+        raise ConfigError(f"{REGISTRY.key}: {attr}.Config in '{path}' is not a dataclass; a method's settings are a "
+                          "dataclass of its own (its fields are the algorithm.* keys)")
+    if plugin.coefficient is Algorithm.coefficient or plugin.objective is Algorithm.objective:
+        raise ConfigError(f"{REGISTRY.key}: {attr} in '{path}' does not define coefficient and objective; a method "
+                          "gives its GC per token and the objective whose gradient it is")
+    owner = BY_CONFIG.get(plugin.Config)
+    if owner is not None and owner is not plugin:
+        raise ConfigError(f"{REGISTRY.key}: {attr}.Config in '{path}' is {owner.name!r}'s; a method needs a Config "
+                          "class of its own (a subclass will do)")
+    if "name" not in vars(plugin):  # named by its class, unless it names itself; listed nowhere but in this run
+        plugin.name = attr
+    BY_CONFIG[plugin.Config] = plugin  # a validated config names its method (plugin_of)
+    return plugin
