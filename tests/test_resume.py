@@ -5,6 +5,9 @@ is refused."""
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from cli_helpers import assert_one_line_error, posttrain, posttrain_here
@@ -195,3 +198,34 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path
     assert all(torch.equal(after[n].nan_to_num(), w.nan_to_num()) for n, w in start["weights"].items())
     assert not engine.policy.optimizer.state  # AdamW never stepped
     assert [p.name for p in checkpoint.complete(tmp_path / "nan.partial" / "checkpoints")] == ["step_2"]
+
+
+def test_ctrl_c_of_a_separate_placement_run_is_one_line_and_keeps_its_checkpoints(tiny_model_dir, tmp_path):
+    """Ctrl-C reaches every process of the terminal's process group: the training process and its rollout workers.
+    The workers leave it to the training process, which stops them and says `posttrain: interrupted`; no worker
+    prints a traceback. The interrupt lands inside a checkpoint write where the timing allows (a step's write lasts a
+    fraction of a second), and the newest complete checkpoint verifies and resumes."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "posttrain", "run", *RUN, "train.steps=50", "eval.every=0",
+            "rollout.placement=separate", "rollout.worker_threads=1", f"model.path={tiny_model_dir}",
+            f"output_dir={out}", "-q"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "120"})
+    found = tmp_path / "run.partial" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (found / "step_1").is_dir() and any(found.glob(".step_*.tmp")) or (found / "step_4").is_dir():
+            break
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does
+    _, stderr = proc.communicate(timeout=120)
+    # 130, or killed by SIGINT itself once it has said so: a shell reports both as 130
+    assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "posttrain: interrupted", stderr[-3000:]
+    newest = checkpoint.complete(found)[-1]
+    assert checkpoint.damage(newest) is None
+    step = int(newest.name.removeprefix("step_"))
+    resumed = posttrain("run", *RUN, f"train.steps={step + 1}", "eval.every=0", "rollout.placement=separate",
+                        "rollout.worker_threads=1", f"model.path={tiny_model_dir}", f"output_dir={out}", "-q")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["resumed_from"]["step"] == step

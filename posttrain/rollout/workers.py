@@ -20,6 +20,10 @@ with the same generator state, so it samples the same tokens; the log says so in
 (`rollout/worker_restarts`). After `rollout.max_worker_restarts` restarts of one worker the run stops with an error
 naming it. A worker whose training process has gone exits within a second.
 
+Ctrl-C sends SIGINT to every process of the terminal's process group, the workers too. They ignore it, from the moment
+they start (a worker starts with SIGINT blocked, and ignores it before unblocking it): the interrupt is the training
+process's, which says so in one line and stops its workers (`close`), with no traceback from them.
+
 Under LoRA with the hf engine, a worker holds the same adapted model and takes the adapter alone; vllm takes the
 merged weights (`weight_sync` in summary.json says which was sent).
 """
@@ -213,6 +217,8 @@ def receive(group, inbox, staging: Staging, parent: int, timeout: datetime.timed
 def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[int] | None, requests, inbox,
           replies) -> None:
     """A worker process's main: connect, build the engine, then answer sampling requests until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle (it stops this one)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by `_spawn` until now: a pending one drops
     parent = os.getppid()
     forget_launcher()  # an engine that reads torchrun's variables (vLLM) would take this worker for a training process
     try:
@@ -378,8 +384,10 @@ class WorkerPool(RolloutEngine):
         self.workers: list[Worker] = []
         self.closed = False
         atexit.register(_close, weakref.ref(self))
+        started = []  # bound before the first start: a Ctrl-C in `_spawn` comes to the clean-up below
         try:
-            started = [self._spawn(i, 0) for i in range(workers)]  # all start loading at once
+            for i in range(workers):  # all start loading at once
+                self._spawn(i, 0, started)
             for w in started:
                 self._connect(w)
                 self.workers.append(w)
@@ -389,14 +397,26 @@ class WorkerPool(RolloutEngine):
             raise
 
     # -- processes --------------------------------------------------------------------------------------------
-    def _spawn(self, index: int, incarnation: int) -> Worker:
+    def _spawn(self, index: int, incarnation: int, started: list[Worker] | None = None) -> Worker:
+        """Starts worker `index`'s process (added to `started` as soon as it runs, so that a Ctrl-C arriving as
+        SIGINT is unblocked leaves no worker that the caller's clean-up does not know of)."""
         ctx = self._context
         requests, inbox, replies = ctx.Queue(), ctx.Queue(), ctx.Queue()
         process = ctx.Process(target=serve, name=f"posttrain-rollout-{index}", daemon=False, args=(
             self.spec, index, incarnation, self.store.port, self.cpus[index] if self.cpus else None, requests, inbox,
             replies))
-        process.start()
-        return Worker(index, incarnation, process, requests, inbox, replies)
+        # The new process inherits this thread's signal mask through fork and exec: with SIGINT blocked, a Ctrl-C
+        # while it starts (imports torch, unpickles `serve`'s arguments) waits until `serve` ignores it, rather than
+        # stopping it with a traceback. This process still takes the interrupt, in another thread or once unblocked.
+        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+            worker = Worker(index, incarnation, process, requests, inbox, replies)
+            if started is not None:
+                started.append(worker)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+        return worker
 
     def _wait(self, w: Worker, kind: str, what: str) -> tuple:
         """The worker's next message of `kind` (its start: imports and the model's load, given at least
@@ -437,9 +457,13 @@ class WorkerPool(RolloutEngine):
                                     "(rollout.max_worker_restarts); stopping")
             old.kill()
             new = self._spawn(index, incarnation + 1)
-            self._connect(new)
-            if self.buffers:
-                self._push_to(new, self.buffered)
+            try:
+                self._connect(new)
+                if self.buffers:
+                    self._push_to(new, self.buffered)
+            except BaseException:  # a Ctrl-C, or a start that failed: `close` would not know of this process
+                new.kill()
+                raise
             self.workers[index] = new
             self.restarts += 1
             print(f"posttrain: {old.who} {why}; restarted as pid {new.pid}, and its requests sent again",
