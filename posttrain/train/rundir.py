@@ -53,7 +53,7 @@ class RunDir:
         if (self.path / "summary.json").is_file() and not overwrite:
             raise ConfigError(f"output_dir: '{self.path}' holds a finished run that was not moved into place; rename "
                               f"it to '{self.final}', or pass overwrite=true to discard it")
-        if not resume and not overwrite and any((self.path / "checkpoints").glob("step_*/trainer_state.json")):
+        if not resume and not overwrite and resumable(self.path):
             raise ConfigError(f"output_dir: '{self.path}' holds an interrupted run's checkpoints; resume=auto or "
                               "true continues it, overwrite=true starts afresh and discards them")
         if os.path.ismount(self.final):
