@@ -58,6 +58,15 @@ FEATURES = {  # name: (recipe, overrides)
     "ppo_beta_cosine": ("ppo_math", ["algorithm.samples_per_prompt=2", "train.beta_schedule=cosine",
                                      "train.beta_values=[0.1,0.01]"]),
     "online_rft_dynamic": ("online_rft_math", ["algorithm.samples_per_prompt=4", "rollout.dynamic_sampling=true"]),
+    # how a run is assembled: rollout workers at k = 0 (one worker samples from the trainer's generator) and k = 1,
+    # the reference on the workers, packed micro-batches under a token budget, episodes in an environment
+    "grpo_separate_k0": ("grpo_math", [*GROUP, "rollout.placement=separate", "rollout.workers=1"]),
+    "grpo_separate_k1": ("grpo_math", [*GROUP, "rollout.placement=separate", "rollout.workers=1",
+                                       "rollout.max_staleness=1"]),
+    "grpo_reference_on_workers": ("grpo_math", [*GROUP, "rollout.placement=separate", "rollout.workers=1",
+                                                "rollout.reference_on=workers"]),
+    "grpo_packed": ("grpo_math", [*GROUP, "train.packing=true", "train.micro_batch_tokens=96"]),
+    "grpo_calculator": ("grpo_math", [*GROUP, "env.name=calculator", "env.max_turns=2"]),
 }
 VOLATILE = ("time/", "tokens_per_s", "wall_seconds", "threads")
 
