@@ -38,7 +38,8 @@ Metrics (means over response tokens unless said otherwise):
     value_clip_frac, value_error: fraction of tokens whose value gradient the value clip removed, and |V − R|.
     explained_variance: 1 − Var(R − V) / Var(R) (1: perfect critic, ≤ 0: no better than a constant).
     objective: −J, the mean of −min(ρA, clip(ρ, 1−ε, 1+ε)A) under `train.loss_agg` (at ρ = 1, −mean A: about 0
-        with whitened advantages). critic_loss: the value loss L_V under its `token_mean`.
+        with whitened advantages).
+    critic_loss: the value loss L_V under its `token_mean`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
     posttrain compare RECIPE RECIPE ... [key=value ...]   run recipes on one budget and report them side by side
     posttrain reproduce figure5|figure7 [seeds=3 ...]     DeepSeekMath's Figures 5 and 7 at toy scale, with seeds
     posttrain env [--json]                                versions, device, CPU class, threads, what auto picks
+    posttrain docs config|metrics                         the reference pages docs/config.md and docs/metrics.md
 
 Exit status: 0 done, 2 bad input (one line naming the culprit), 1 internal error.
 """
@@ -147,6 +148,12 @@ def cmd_reproduce(args) -> int:
     return reproduce.main(args.figure, args.items)
 
 
+def cmd_docs(args) -> int:
+    from posttrain.apps import reference
+
+    return reference.main(args.page)
+
+
 def cmd_env(args) -> int:
     from posttrain.apps import env
 
@@ -247,6 +254,13 @@ def parser() -> argparse.ArgumentParser:
                          "train.precision=auto picks; the cache directory.")
     env.add_argument("--json", action="store_true", help="one JSON object instead of text")
     env.set_defaults(func=cmd_env)
+    docs = sub.add_parser("docs", help="print a generated reference page: every config key, or every metric",
+                          description="Print a reference page generated from the code: config (every key of every "
+                          "group, with its type, default and help, and each method's algorithm.* keys: "
+                          "docs/config.md) or metrics (every key metrics.jsonl can hold, with its unit and meaning: "
+                          "docs/metrics.md).")
+    docs.add_argument("page", choices=("config", "metrics"))
+    docs.set_defaults(func=cmd_docs)
     return p
 
 
