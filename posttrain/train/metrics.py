@@ -28,6 +28,9 @@ METRICS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                             "finite (weights, AdamW state and schedule unchanged)"),
         "skipped_steps": ("count", "steps so far with at least one skipped update; `train.max_skipped_steps` of them "
                           "in a row stop the run"),
+        "updates": ("count", "optimizer updates this step: epochs (μ) × minibatches"),
+        "micro_batches": ("count", "micro-batches the step's updates ran on this process, the empty ones that pair "
+                          "other processes' collectives included"),
         "trained_tokens": ("tokens", "response tokens of the step's batch on this process (what the loss is over)"),
         "lr": ("learning rate", "the policy's learning rate at the step's first update"),
         "beta": ("weight", "the step's KL weight β, scheduled (`train.beta_schedule`) or not; methods with a KL penalty "
