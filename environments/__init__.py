@@ -10,13 +10,18 @@ from posttrain.environments.base import (
     Environment,
     FileClass,
     Reply,
+    check,
+    describe,
     get,
     register,
+    run_start,
     run_step,
+    start_function,
     step_function,
 )
 
-__all__ = ["ENVIRONMENTS", "POOL", "Environment", "FileClass", "Reply", "get", "register", "run_step", "step_function"]
+__all__ = ["ENVIRONMENTS", "POOL", "Environment", "FileClass", "Reply", "check", "describe", "get", "register",
+           "run_start", "run_step", "start_function", "step_function"]
 
 # The built-in environments register themselves on import.
 from posttrain.environments import calculator, python  # noqa: E402,F401

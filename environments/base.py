@@ -1,25 +1,32 @@
 """The environment interface and its registry: what a multi-turn rollout asks of a task.
 
-An episode starts from a row: `reset` gets it, and the model sees the row's prompt as a single-turn run would. Then the model and the environment take turns. The model writes until a stop
-token or one of the environment's `stop` strings (a tool call's closing tag); `step` reads that turn (its text and
-its token ids) and answers with a `Reply`: text for the next message, reward parts, and whether the episode is done.
+An episode starts from a row: `reset` gets it, and the model sees the row's prompt as a single-turn run would. Then
+the model and the environment take turns. The model writes until a stop token or one of the environment's `stop`
+strings (a tool call's closing tag); `step` reads that turn (its text and its token ids) and answers with a `Reply`:
+text for the next message, reward parts, and whether the episode is done.
 `posttrain.sources.episodes` runs the turns for a whole batch on any rollout engine that takes stop sequences, and
 keeps the trajectory as one token sequence: the model's tokens exactly as sampled, the environment's rendered and
 appended, with a mask that tells them apart.
 
-`step` runs in a bounded worker process (posttrain.core.bounded), within `env.timeout_s`: an environment that raises
-or hangs gives the model an error message as its reply, never a crash. So an environment must pickle; its state goes
-to the worker and comes back with the reply.
+Every call into an environment runs in a bounded worker process (posttrain.core.bounded), within `env.timeout_s`:
+its creation and `reset` as an episode starts (`run_start`), each `step` and the rendering of its reply (`run_step`).
+One that raises, hangs, or answers with something other than a `Reply` with a finite reward gives the model an error
+message as its reply, never a crash (posttrain.sources.episodes). So an environment must pickle; its state goes to
+the worker and comes back with the reply. `check` creates one before a run starts, so that a class that cannot be
+created, or whose instances do not pickle, is refused in one line instead.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from posttrain.core.bounded import BoundedPool
-from posttrain.core.errors import ConfigError
-from posttrain.core.files import import_file, load_entry
+from posttrain.core.errors import ConfigError, UserError
+from posttrain.core.files import import_file, load_entry, names_a_file
 from posttrain.core.registry import Registry
 
 
@@ -97,32 +104,133 @@ def get(name: str) -> type[Environment]:
     a local Python file (imported now, and in each pool worker before its first step).
 
     Raises:
-        ConfigError: naming env.name, for an unknown name, a missing file, one that fails to import, or no
-            Environment of that name in it.
+        ConfigError: naming env.name, for an unknown name, a file named without its class, a missing file, one that
+            fails to import, no Environment of that name in it, or `stop` strings that are not a tuple of strings.
     """
-    if ":" not in str(name):
-        return ENVIRONMENTS.find(name)
-    file, cls_name, cls = load_entry(name, "env.name", PREFIX, "a registered name or path/to/file.py:Class "
-                                     f"(got {name!r})")
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ConfigError(f"env.name: '{file}' defines no subclass of posttrain.environments.Environment named "
-                          f"{cls_name!r}")
-    cls.__posttrain_file__ = FileClass(file, cls_name)
+    if not names_a_file(name):
+        cls = ENVIRONMENTS.find(name)
+    else:  # the file's loader says what is wrong with the entry, a missing `:Class` included
+        file, cls_name, cls = load_entry(name, "env.name", PREFIX, "a registered name or path/to/file.py:Class")
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ConfigError(f"env.name: '{file}' defines no subclass of posttrain.environments.Environment named "
+                              f"{cls_name!r}")
+        cls.__posttrain_file__ = FileClass(file, cls_name)
+    # `stop = ("</guess>")` is a string: each of its characters would end a turn
+    if not (isinstance(cls.stop, (tuple, list)) and all(isinstance(s, str) and s for s in cls.stop)):
+        raise ConfigError(f"env.name: {cls.__name__}'s stop must be a tuple of strings, each ending a turn, such as "
+                          f"(\"</guess>\",) (got {type(cls.stop).__name__} {cls.stop!r})")
     return cls
 
 
-def step_function(env_cls: type[Environment]) -> functools.partial:
-    """`run_step` for the environments of `env_cls`, as the pool takes it: with the class itself (pickled by its
-    module's name) or, for a class from a file, its `FileClass`."""
+def _source(env_cls: type[Environment]) -> type[Environment] | FileClass:
+    """`env_cls` as it travels to a pool worker: the class itself (pickled by its module's name) or, for a class
+    from a file, its `FileClass`."""
     source = env_cls.__dict__.get("__posttrain_file__")
-    return functools.partial(run_step, source if isinstance(source, FileClass) else env_cls)
+    return source if isinstance(source, FileClass) else env_cls
 
 
-def run_step(env_cls: type[Environment] | FileClass, item: tuple) -> tuple[Environment, Reply]:
-    """One step in a pool worker: (environment, text, ids, ended) -> (environment, reply). The environment comes
-    back with the reply, so what it keeps carries to the episode's next turn. Called through `step_function`, so
-    that a worker imports the environment's module (or file) when it loads the function, before any step's
-    time-out runs."""
+def _class(source: type[Environment] | FileClass) -> type[Environment]:
+    return source.load() if isinstance(source, FileClass) else source
+
+
+def describe(env_cls: type[Environment]) -> str:
+    """How a one-line error names `env_cls`: its class and file, or its registered name."""
+    source = _source(env_cls)
+    if isinstance(source, FileClass):
+        return f"{source.name} from '{source.path}'"
+    return env_cls.name or env_cls.__name__
+
+
+def start_function(env_cls: type[Environment]) -> functools.partial:
+    """`run_start` for the environments of `env_cls`, as the pool takes it (see `step_function`)."""
+    return functools.partial(run_start, _source(env_cls))
+
+
+def run_start(env_cls: type[Environment] | FileClass, item: tuple) -> Environment:
+    """An episode's start in a pool worker: (settings, row) -> the environment, created with `settings` and reset on
+    `row`."""
+    settings, row = item
+    env = _class(env_cls)(settings)
+    env.reset(row)
+    return env
+
+
+def check(env_cls: type[Environment], settings, pool: BoundedPool | None = None) -> None:
+    """Creates one environment of `env_cls` in a pool worker with the run's `settings`, within `settings.timeout_s`,
+    and pickles it both ways, as each step will: once, before a run samples.
+
+    Raises:
+        ConfigError: naming env.name and the class (and its file), where creating it raised or hung, or an instance
+            does not pickle; or the class's own one-line refusal (a UserError from `__init__`), as it is.
+    """
+    outcome = (pool or POOL).map(functools.partial(_create, _source(env_cls)), [settings], settings.timeout_s)[0]
+    if not outcome.ok:
+        why = f"{outcome.error}, env.timeout_s" if outcome.timed_out else outcome.error
+        raise ConfigError(f"env.name: {describe(env_cls)}: creating an instance failed ({why})")
+    kind, said = outcome.value
+    if kind == "refused":
+        raise ConfigError(said)
+    if kind == "created":
+        try:
+            pickle.dumps(pickle.loads(said))  # it came back; it must go out again too
+            return
+        except Exception as err:
+            said = f"{type(err).__name__}: {err}"
+    raise ConfigError(f"env.name: {describe(env_cls)}: an instance does not pickle ({said}), and an environment "
+                      "travels to a worker process and back with each step")
+
+
+def _create(env_cls: type[Environment] | FileClass, settings) -> tuple[str, bytes | str]:
+    """`check`'s call in a pool worker: ("created", the environment pickled), ("unpicklable", why) (which the
+    worker's own pickling of it would report as its creation failing), or ("refused", the message of the UserError
+    its `__init__` raised: a one-line refusal of its own, such as a tool this machine lacks)."""
+    try:
+        env = _class(env_cls)(settings)
+    except UserError as err:
+        return "refused", str(err)
+    try:
+        return "created", pickle.dumps(env)
+    except Exception as err:
+        return "unpicklable", f"{type(err).__name__}: {err}"
+
+
+def step_function(env_cls: type[Environment], render: bool = False) -> functools.partial:
+    """`run_step` for the environments of `env_cls`, as the pool takes it: with the class itself (pickled by its
+    module's name) or, for a class from a file, its `FileClass`; `render`: render each reply's text too (where no
+    chat template renders it)."""
+    return functools.partial(run_step, _source(env_cls), render=render)
+
+
+def run_step(env_cls: type[Environment] | FileClass, item: tuple, render: bool = False) -> tuple:
+    """One step in a pool worker: (environment, text, ids, ended) -> (environment, reply, rendered, fault). The
+    environment comes back with the reply, so what it keeps carries to the episode's next turn; `rendered` is
+    `render(reply.text)` with `render` (else None); `fault` says why the reply breaks `step`'s contract (then `reply`
+    is None), else None. Called through `step_function`, so that a worker imports the environment's module (or file)
+    when it loads the function, before any step's time-out runs."""
     env, text, ids, ended = item
-    assert isinstance(env, env_cls.load() if isinstance(env_cls, FileClass) else env_cls)
-    return env, env.step(text, ids, ended)
+    assert isinstance(env, _class(env_cls))
+    reply = env.step(text, ids, ended)
+    fault = _fault(reply)
+    if fault is not None:
+        return env, None, None, fault
+    reply = Reply(text=reply.text, reward=float(reply.reward), info={k: float(v) for k, v in reply.info.items()},
+                  done=bool(reply.done), role=reply.role)
+    return env, reply, env.render(reply.text) if render else None, None
+
+
+def _fault(reply) -> str | None:
+    """Why `reply` is not what `step` returns (a `Reply` of text, a finite reward, finite counts), or None."""
+    if not isinstance(reply, Reply):
+        return f"step returned {type(reply).__name__}, not Reply"
+    if not isinstance(reply.text, str) or not isinstance(reply.role, str):
+        return f"step returned a Reply whose text or role is not a string ({reply.text!r:.40}, {reply.role!r:.40})"
+    if not isinstance(reply.info, Mapping):
+        return f"step returned a Reply whose info is {type(reply.info).__name__}, not a dict"
+    for what, value in (("a reward of", reply.reward), *((f"info[{k!r}] =", v) for k, v in reply.info.items())):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            return f"step returned {what} {value!r:.40}, not a number"
+        if not math.isfinite(number):  # a NaN reward would train to a NaN loss
+            return f"step returned {what} {number}"
+    return None

@@ -31,13 +31,23 @@ def import_file(path: str, prefix: str) -> ModuleType:
     return module
 
 
+def names_a_file(entry: str) -> bool:
+    """Whether a registry key's value (`env.name`, `algorithm.name`) is a file's entry rather than a registered name:
+    it holds a colon or a slash, or ends in .py (so `my_env.py` without its `:Class` is told so, not "unknown")."""
+    entry = str(entry)
+    return ":" in entry or "/" in entry or entry.endswith(".py")
+
+
 def load_entry(entry: str, key: str, prefix: str, expected: str) -> tuple[str, str, object]:
     """(absolute path, name, the module's attribute of that name or None) for `entry` ("path/to/file.py:name"), the
     file imported now. ConfigError naming `key`: an entry not of that form (`expected` says what is), a missing
     file, or one that fails to import."""
     path, colon, name = str(entry).rpartition(":")
+    if not colon and str(entry).endswith(".py"):  # the file alone: say what to add rather than "no such name"
+        raise ConfigError(f"{key}: expected {expected} (got the file alone, '{entry}': add a colon and the name to "
+                          "load from it)")
     if not colon or not path or not name.isidentifier():
-        raise ConfigError(f"{key}: expected {expected}")
+        raise ConfigError(f"{key}: expected {expected} (got {str(entry)!r})")
     file = Path(path).expanduser().resolve()
     if not file.is_file():
         raise ConfigError(f"{key}: no such file '{file}'")

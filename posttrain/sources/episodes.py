@@ -8,6 +8,13 @@ rendered, by the chat template as a message or plainly by `Environment.render`, 
 model's tokens are kept exactly as sampled, never decoded and encoded again, so what the model trains on is what it
 sampled from.
 
+Every call into an environment is bounded by `env.timeout_s` (posttrain.environments.base), and a failed one is an
+observation: a step that raises, hangs, or returns something other than a `Reply` with a finite reward is answered
+with `error: the environment failed (...)`; an episode whose environment could not be created or reset is still
+sampled, and each of its turns is answered with why, its environment never asked to step. `errors` counts the failed
+calls: a failed start once, each failed step once. The class is checked once as the episodes are built
+(`environments.check`), so that one which cannot be created or pickled is one line before a run starts.
+
 The batch that comes back is a rollout record like a single-turn one, with one difference: the response holds the
 environment's tokens between the model's turns, and `mask` (with `model_tokens`) is 1 on the model's tokens only.
 Every method's gradient coefficient multiplies the mask, so the environment's tokens get a GC of exactly 0, and
@@ -42,7 +49,7 @@ class Episode:
     """One trajectory as it grows: its prompt ids, the response's ids, which of them are the model's, the sampler's
     log-probs, and the conversation as messages (for the chat template)."""
 
-    env: object
+    env: object  # None where it failed to start
     prompt: list[int]
     messages: list[dict]
     ids: list[int] = field(default_factory=list)
@@ -57,6 +64,7 @@ class Episode:
     turn_ends: list[int] = field(default_factory=list)  # the index in `ids` of each model turn's last token
     turn_rewards: list[float] = field(default_factory=list)  # the environment's reward for each of those turns
     version: int | None = None  # the oldest policy version that sampled a turn (rollout workers say; else None)
+    failed: str | None = None  # why its environment could not start: every turn's reply says so
 
     def add(self, ids: list[int], logp: list[float] | None) -> None:
         self.ids += ids
@@ -81,17 +89,21 @@ class Episodes:
         self.stop = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in env_cls.stop]
         self.pool = pool or environments.POOL
         self.turns = turns  # put each turn's reward on its last token (rewards.process=turns)
+        environments.check(env_cls, settings, self.pool)  # one that cannot be created or pickled: one line, now
 
     def generate(self, rows: list[dict], prompts: list[list[int]], n: int | list[int], *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False) -> tuple[Batch, dict]:
         """`n` episodes of each prompt (or n[i] of prompt i), rows ordered as `generate`'s; and their metrics."""
         sizes = counts(n, len(prompts))
         group = [i for i, k in enumerate(sizes) for _ in range(k)]
-        episodes = []
-        for i in group:
-            env = self.env_cls(self.settings)
-            env.reset(rows[i])
-            episodes.append(Episode(env, list(prompts[i]), prompt_messages(rows[i], self.data)))
+        episodes = [Episode(None, list(prompts[i]), prompt_messages(rows[i], self.data)) for i in group]
+        starts = self.pool.map(environments.start_function(self.env_cls), [(self.settings, rows[i]) for i in group],
+                               self.settings.timeout_s)
+        for e, outcome in zip(episodes, starts):
+            if outcome.ok:
+                e.env = outcome.value
+            else:  # the episode is sampled all the same: the model reads why at each turn (docs/environments.md)
+                e.failed, e.errors = f"reset: {outcome.error}", 1
         turn_budget = self.settings.max_turn_tokens or max_new_tokens
         for turn in range(self.settings.max_turns):
             running = [e for e in episodes if not e.done]
@@ -123,14 +135,24 @@ class Episodes:
         """The environment's replies to the turns in `asked`, appended to their episodes (those that go on)."""
         if not asked:
             return
-        outcomes = self.pool.map(environments.step_function(self.env_cls), [(e.env, text, ids, ended) for e, text, ids, ended in asked],
-                                 self.settings.timeout_s)
-        for (e, text, ids, ended), outcome in zip(asked, outcomes):
-            if outcome.ok:
-                e.env, reply = outcome.value
-            else:  # an environment that raised or hung: the model sees why, the episode goes on
-                e.errors += 1
-                reply = environments.Reply(text=f"error: the environment failed ({outcome.error})")
+        live = [(e.env, text, ids, ended) for e, text, ids, ended in asked if e.failed is None]
+        outcomes = iter(self.pool.map(environments.step_function(self.env_cls, render=not self.chat), live,
+                                      self.settings.timeout_s))
+        for e, _text, ids, ended in asked:
+            reply, rendered, why = None, None, e.failed  # an environment that never started is not asked
+            if why is None:
+                outcome = next(outcomes)
+                if outcome.ok:
+                    env, reply, rendered, why = outcome.value  # why: a reply that breaks step's contract
+                    if why is None:
+                        e.env = env
+                else:
+                    why = outcome.error
+                e.errors += 0 if why is None else 1
+            if why is not None:  # it raised, hung or broke the contract: the model reads why, the episode goes on;
+                # the reply is plain text (under a chat template, a user message), not rendered by what failed
+                reply = environments.Reply(text=f"error: the environment failed ({why})")
+                rendered = reply.text
             e.reward += float(reply.reward)
             e.turn_rewards[-1] += float(reply.reward)  # the turn just sampled: one the environment reads is not empty
             for k, v in reply.info.items():
@@ -141,7 +163,7 @@ class Episodes:
             if last:  # a tool call left unanswered: the episode ran out of turns without an answer
                 e.done = e.truncated = True
                 continue
-            reply_ids = self._render(e, text, ids, reply)
+            reply_ids = self._render(e, ids, reply, rendered)
             if len(e.ids) + len(reply_ids) >= max_new_tokens:  # no room left for the model to answer
                 e.done = e.truncated = True
                 continue
@@ -149,12 +171,13 @@ class Episodes:
             if self.settings.check_template:
                 self._check(e)
 
-    def _render(self, e: Episode, text: str, ids: list[int], reply) -> list[int]:
+    def _render(self, e: Episode, ids: list[int], reply, rendered: str | None) -> list[int]:
         """The environment's reply as token ids to append after the model's turn: under a chat template, what the
         template writes after the model's text (the end of the assistant's turn, the reply's message, the start of
-        the next assistant turn); without one, `render` of the environment, as is."""
+        the next assistant turn); without one, `rendered`, the environment's `render` of it (run in the worker with
+        its step), as is."""
         if not self.chat:
-            return self.tokenizer(e.env.render(reply.text), add_special_tokens=False)["input_ids"]
+            return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         turn = self.tokenizer.decode(ids, skip_special_tokens=False)
         before = self._chat(e.messages) + turn
         e.messages = [*e.messages, {"role": "assistant", "content": turn}, {"role": reply.role, "content": reply.text}]
