@@ -44,7 +44,7 @@ FEATURES = {  # name: (recipe, overrides)
                                       "rollout.max_group_size=6", *FEW]),
     "grpo_curriculum_rate": ("grpo_math", [*GROUP, "data.curriculum=pass_rate", *FEW]),
     "grpo_curriculum_field": ("grpo_math", [*GROUP, "data.curriculum=field", "data.difficulty_field=level",
-                                            "data.path={levels}", "data.test_path={levels}"]),
+                                            "data.path={levels}", "data.test_path={held_out}"]),
     "grpo_beta_cosine": ("grpo_math", [*GROUP, "train.beta_schedule=cosine", "train.beta_values=[0.1,0.01]"]),
     "grpo_overlong": ("grpo_math", [*GROUP, "rewards.overlong_buffer=6"]),
     "grpo_tis": ("grpo_math", [*GROUP, "rollout.tis_cap=2.0"]),
@@ -68,7 +68,7 @@ FEATURES = {  # name: (recipe, overrides)
     "grpo_packed": ("grpo_math", [*GROUP, "train.packing=true", "train.micro_batch_tokens=96"]),
     "grpo_calculator": ("grpo_math", [*GROUP, "env.name=calculator", "env.max_turns=2"]),
 }
-VOLATILE = ("time/", "tokens_per_s", "wall_seconds", "threads")
+VOLATILE = ("time/", "clock/", "tokens_per_s", "wall_seconds", "threads")  # times, rates and the thread count
 
 
 def warm_model(root: Path) -> Path:
@@ -90,11 +90,13 @@ def fingerprint(recipe: str, overrides: list[str], model: Path, out: Path) -> di
     from posttrain import config
     from posttrain.train import run
 
-    levels = out.parent / "levels.jsonl"  # a data file with a difficulty field, for the field curriculum
+    levels = out.parent / "levels.jsonl"  # data files with a difficulty field, for the field curriculum: training
+    held_out = out.parent / "levels_test.jsonl"  # rows and held-out ones that share no question
     if not levels.exists():
-        levels.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": str(a + b), "level": a // 3}) + "\n"
-                                  for a in range(10) for b in range(4)))
-    overrides = [o.format(levels=levels) for o in overrides]
+        for path, bs in ((levels, range(4)), (held_out, range(4, 6))):
+            path.write_text("".join(json.dumps({"question": f"{a}+{b}", "answer": str(a + b), "level": a // 3}) + "\n"
+                                    for a in range(10) for b in bs))
+    overrides = [o.format(levels=levels, held_out=held_out) for o in overrides]
     cfg, resolved = config.load(recipe, [f"model.path={model}", f"output_dir={out}", *COMMON, *overrides])
     run(cfg, resolved, quiet=True)
     metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)}
@@ -112,7 +114,8 @@ def same(before: dict | None, now: dict) -> bool:
         return False
     keys = ("model_sha256", "eval_after", "early_stop")
     return all(before[k] == now[k] for k in keys) and all(
-        all(k in new and new[k] == v for k, v in old.items()) for old, new in zip(before["metrics"], now["metrics"]))
+        all(k in new and new[k] == v for k, v in old.items() if not k.startswith(VOLATILE))
+        for old, new in zip(before["metrics"], now["metrics"]))
 
 
 def main(argv: list[str] | None = None) -> int:

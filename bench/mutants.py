@@ -53,6 +53,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/core/precision.py": ["tests/test_precision.py"],
          "posttrain/core/threads.py": ["tests/test_threads.py"],
          "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
+         "posttrain/train/plan.py": ["tests/test_plan.py", "tests/test_explain.py", "tests/test_async.py"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
                                             "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
@@ -87,6 +88,7 @@ FSDP, ZERO = "posttrain/backends/fsdp.py", "posttrain/backends/zero.py"
 BASE, SCALE = "posttrain/backends/base.py", "posttrain/backends/loss_scale.py"
 PREC, THREADS = "posttrain/core/precision.py", "posttrain/core/threads.py"
 STAGES, CONTROL = "posttrain/stages/__init__.py", "posttrain/train/controllers.py"
+PLAN = "posttrain/train/plan.py"  # the run's decisions, made once
 STAGE_LIST = ("[PassRateUpdates, OverlongPenalty, DynamicSampling, EliteReplay, StepRewards,\n"
               "                             AdaptiveTemperature]")
 CONTROLLERS = ("draws", "pass_rates", "temperature", "elite", "beta", "early_stop")
@@ -110,6 +112,19 @@ def controller_not_restored(name: str) -> Mutant:
              f"            if name != {name!r}:\n                c.load_state_dict(state[name])", equivalent)
 
 MUTANTS = [
+    # posttrain/train/plan.py: a decision of the plan flipped; build, the engine and explain all follow it
+    m("plan-proximal-flipped", PLAN, "correction", "stale samples of a clipped-ratio method get the truncated weight "
+      "(proximal=trainer) and the others the sampler's π_old",
+      'proximal = "sampler" if r.stale and plugin.clips_ratio and not chosen else "trainer"',
+      'proximal = "trainer" if r.stale and plugin.clips_ratio and not chosen else "sampler"'),
+    m("plan-reference-on-trainer", PLAN, "_roles", "rollout.reference_on=workers keeps the reference on the trainer",
+      'out.append(Role("reference", "workers", origin, False))', 'out.append(Role("reference", "trainer", origin, False))'),
+    m("plan-stage-dropped", PLAN, "_stages", "dynamic sampling is never switched on",
+      "return tuple(s.key for s in STAGES if s.on(cfg, needs))",
+      'return tuple(s.key for s in STAGES if s.on(cfg, needs) and s.key != "rollout.dynamic_sampling")'),
+    m("plan-weight-sync-full", PLAN, "_rollout", "LoRA workers are sent every weight instead of the adapter",
+      'weight_sync = "none" if colocated else "adapter" if takes_adapter else "merged" if lora else "full"',
+      'weight_sync = "none" if colocated else "merged" if lora else "full"'),
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
     m("base-needs", A, "Algorithm.needs", "default needs asks for a reward",
       "        return frozenset()\n", '        return frozenset({"reward"})\n'),

@@ -27,7 +27,6 @@ from posttrain.core import threads
 from posttrain.core.errors import ConfigError
 from posttrain.core.frozen import freeze
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
-    STALE_TIS_CAP,
     TRACKERS,
     DataConfig,
     EvalConfig,
@@ -75,19 +74,6 @@ def recipe_description(path: Path) -> str:
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
-
-
-def stale_correction(r, plugin) -> None:
-    """Stale samples are never trained on as if fresh: where they may be (separate placement, max_staleness ≥ 1) and
-    no correction is given, a method with a clipped ratio takes it against the sampler's log-probs (PPO's own
-    objective, which kept the synchronous run's accuracy at k = 1 where the truncated weight did not: docs/async.md);
-    another method, or a run that gives tis_cap, tis_mode or an elite pool, gets the truncated importance weight,
-    C = 2 unless given. Elsewhere π_old is the trainer's."""
-    if r.proximal is None:
-        chosen = r.tis_cap is not None or r.tis_mode != "token_truncate" or r.elite_pool  # the weight's road
-        r.proximal = "sampler" if r.stale and plugin.clips_ratio and not chosen else "trainer"
-    if r.stale and r.proximal == "trainer" and r.tis_cap is None:
-        r.tis_cap = STALE_TIS_CAP
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -248,7 +234,6 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rollout.proximal == "sampler" and not plugin.clips_ratio:
         raise ConfigError(f"rollout.proximal: sampler is the π_old of a clipped ratio, which {plugin.name} has not "
                           "(PPO, GRPO's family and GSPO have one)")
-    stale_correction(cfg.rollout, plugin)
     if cfg.env.name is not None:
         check_env(cfg, plugin)
     if cfg.eval.stop_on == "kl" and not (plugin.kl_penalty and cfg.algorithm.beta > 0):

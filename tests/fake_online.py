@@ -82,6 +82,20 @@ def deps(kinds, *, batch_size=3, n=2, sampling=None, rollout=None, **more) -> De
     sampling = sampling or RolloutConfig()
     rows = [{"id": i + 1, "kind": k, "question": str(i + 1)} for i, k in enumerate(kinds)]
     fields = {"temperature": SamplingTemperature(sampling.temperature), "reduce": lambda t, op: t, **more}
+    fields.setdefault("stages", stages_on(sampling, **more))
     return Deps(sampler=Queue(rows), tokenizer=Tokenizer(), data=None, batch_size=batch_size, micro_batch_size=8,
                 seed=0, algorithm=None, samples_per_prompt=n, rollout=rollout or Rollout(), sampling=sampling,
                 judge=Judge(), score_reference=None, model_path=Path("."), cache_dir=Path("."), **fields)
+
+
+def stages_on(sampling, *, rewards=None, needs=frozenset(), pass_rates=None, **_) -> tuple[str, ...]:
+    """The stages a run's plan switches on for these dependencies, by each stage's own rule (`Stage.on`): pass rates
+    given stand for a key that keeps them (the pass-rate curriculum)."""
+    from types import SimpleNamespace
+
+    from posttrain.schema import RewardsConfig
+    from posttrain.stages import STAGES
+
+    cfg = SimpleNamespace(rollout=sampling, rewards=rewards or RewardsConfig(),
+                          data=SimpleNamespace(curriculum="pass_rate" if pass_rates is not None else "none"))
+    return tuple(s.key for s in STAGES if s.on(cfg, needs))

@@ -168,8 +168,9 @@ def test_staleness_1_runs_a_version_ahead_and_never_more(ahead):
     assert versions[:8] == [0] * 8 and set(versions[-8:]) <= {3, 4}  # step 5: version 3 (4 if its push came first)
     # stale samples are corrected by default: GRPO's clipped ratio is taken against the sampler's log-probs, so it is
     # off 1 on the steps that trained on an older version's samples (against the trainer's own it is 1 at μ = 1)
-    config = (out / "config.yaml").read_text()
-    assert "proximal: sampler" in config and "tis_cap: null" in config
+    correction = s["plan"]["rollout"]  # resolved by the plan; config.yaml keeps what was asked (nothing)
+    assert (correction["proximal"], correction["tis_cap"]) == ("sampler", None)
+    assert "proximal: null" in (out / "config.yaml").read_text()
     assert all(m["ratio"] != 1.0 for m in metrics(out) if m["staleness/max"] >= 1)
 
 
@@ -295,6 +296,7 @@ def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, 
     from posttrain import config, rollout
     from posttrain.models.loading import load
     from posttrain.train.build import worker_spec
+    from posttrain.train.plan import plan
 
     cfg, _ = config.load("grpo_math", [f"model.path={tiny_model_dir}", *SEPARATE, f"rollout.max_staleness={k}"])
     policy, tokenizer = load(tiny_model_dir)
@@ -302,7 +304,7 @@ def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, 
     policy.set_attn_implementation("eager")
     setup = rollout.Setup(policy=policy, model_path=tiny_model_dir, pad_id=tokenizer.pad_token_id, stop_ids=[0],
                           sampling=cfg.rollout, precision="bf16-mixed", seed=0, max_seqs=8)
-    assert worker_spec(cfg, setup, "float32").attention == "eager"
+    assert worker_spec(cfg, plan(cfg), setup, "float32").attention == "eager"
 
 
 def test_weights_travel_in_bounded_buckets():

@@ -1,7 +1,8 @@
-"""`posttrain explain`: the plan of a recipe's step prints without running anything, and its numbers are what a real
-step of the same config does (counted on a one-step run of a tiny model)."""
+"""`posttrain explain`: the plan of a recipe's step prints without running anything, in words; that it is the plan
+the run records, and what the step does, is tests/test_plan.py's, for every recipe."""
 
 import json
+import os
 
 import pytest
 from cli_helpers import assert_one_line_error, posttrain_here
@@ -11,7 +12,6 @@ from posttrain import config
 from posttrain.apps import cli, explain
 from posttrain.apps.estimate import model_spec
 from posttrain.train import run
-from posttrain.train.engine import Engine
 
 
 def plan_of(recipe: str, *overrides: str, world: int = 1) -> explain.Plan:
@@ -37,8 +37,8 @@ def plan_of(recipe: str, *overrides: str, world: int = 1) -> explain.Plan:
      ["a copy of the starting policy, held by each rollout worker (rollout.reference_on=workers), not by the trainer",
       "the workers score each batch they sample"]),
 ])
-def test_explain_prints_the_plan(recipe, lines, capsys, monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+def test_explain_prints_the_plan(recipe, lines, capsys):
+    os.environ.pop("WORLD_SIZE", None)  # (each test's changes to the environment end with it: conftest)
     assert cli.main(["explain", *recipe.split()]) == 0
     out = capsys.readouterr().out
     text = " ".join(out.split())  # the prose is wrapped
@@ -47,8 +47,8 @@ def test_explain_prints_the_plan(recipe, lines, capsys, monkeypatch):
     assert max(map(len, out.splitlines())) <= explain.WIDTH
 
 
-def test_json_counts_every_process(capsys, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
+def test_json_counts_every_process(capsys):
+    os.environ["WORLD_SIZE"] = "4"
     assert cli.main(["explain", "recipe=grpo_math", "--json", "train.batch_size=3"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["world_size"] == 4 and plan["rows"] == 3 * 8 and plan["all_processes"]["rows"] == 4 * 3 * 8
@@ -60,8 +60,8 @@ def test_bad_input_is_one_line():
     assert_one_line_error(posttrain_here("explain", "recipe=grpo_math", "train.batch_sise=3"), "train.batch_sise")
 
 
-def test_bad_world_size(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "two")
+def test_bad_world_size(capsys):
+    os.environ["WORLD_SIZE"] = "two"
     assert cli.main(["explain", "recipe=sft_math"]) == 2
     assert "WORLD_SIZE=two" in capsys.readouterr().err
 
@@ -105,105 +105,12 @@ def test_embedded_spec_is_the_model_the_warm_up_builds(tmp_path):
 
 TINY = ["train.steps=1", "train.batch_size=4", "train.micro_batch_size=3", "rollout.max_new_tokens=8",
         "eval.num_problems=0", "train.precision=fp32", *EASY]
-CASES = {
-    "grpo_math": ["algorithm.group_size=2"],
-    "ppo_math": ["algorithm.samples_per_prompt=2", "algorithm.ppo_epochs=2", "algorithm.num_minibatches=2"],
-    "sft_math": [],
-}
 
 
-class Counted:
-    """What one run did, counted by wrapping the engine's stable methods: the engine built, each optimizer step's
-    rows and micro-batch sizes, the micro-batch sizes of each scoring pass of a step, and each sampled batch."""
-
-    def __init__(self, monkeypatch):
-        self.engines, self.updates, self.scoring, self.sampled = [], [], [], []
-        self.in_step = self.in_update = False
-        init, update, micro_batches, step = Engine.__init__, Engine.update, Engine.micro_batches, Engine.step
-        counted = self
-
-        def counting_init(engine, *args, **kwargs):
-            init(engine, *args, **kwargs)
-            counted.engines.append(engine)
-            generate = engine.rollout.generate
-
-            def counting_generate(*args, **kwargs):
-                batch = generate(*args, **kwargs)
-                if counted.in_step:  # not the held-out evaluation, nor samples drawn once before the run
-                    counted.sampled.append(len(batch))
-                return batch
-
-            engine.rollout.generate = counting_generate
-
-        def counting_step(engine):
-            counted.in_step = True
-            try:
-                return step(engine)
-            finally:
-                counted.in_step = False
-
-        def counting_update(engine, batch, totals):
-            counted.updates.append((len(batch), []))
-            counted.in_update = True
-            try:
-                return update(engine, batch, totals)
-            finally:
-                counted.in_update = False
-
-        def counting_micro_batches(engine, batch):
-            parts = micro_batches(engine, batch)
-            sizes = [len(rows) for rows, _ in parts]
-            if counted.in_update:
-                counted.updates[-1][1].append(sizes)
-            elif counted.in_step:
-                counted.scoring.append(sizes)
-            return parts
-
-        monkeypatch.setattr(Engine, "__init__", counting_init)
-        monkeypatch.setattr(Engine, "step", counting_step)
-        monkeypatch.setattr(Engine, "update", counting_update)
-        monkeypatch.setattr(Engine, "micro_batches", counting_micro_batches)
-
-
-@pytest.mark.parametrize("recipe", sorted(CASES))
-def test_the_plan_is_what_a_step_does(recipe, tiny_model_dir, tmp_path, monkeypatch):
-    """Sequences sampled and trained on, minibatches and their micro-batches, optimizer steps, the scoring passes and
-    the models loaded: explain's numbers equal a real step's; its token bounds hold."""
-    out = tmp_path / "run"
-    cfg, resolved = config.load(recipe, [f"model.path={tiny_model_dir}", f"output_dir={out}", *TINY, *CASES[recipe]])
-    plan = explain.explain(cfg, recipe, 1)
-    seen = Counted(monkeypatch)
-    run(cfg, resolved, quiet=True)
-
-    assert len(seen.engines) == 1
-    engine = seen.engines[0]
-    # optimizer steps, the rows of each and the micro-batches they ran as (every update holds one call of the split)
-    assert len(seen.updates) == plan.updates_per_step == plan.updates
-    assert [rows for rows, _ in seen.updates] == plan.minibatch_rows * plan.epochs
-    assert [split for _, (split,) in seen.updates] == plan.micro_batch_rows * plan.epochs
-    assert sum(rows for rows, _ in seen.updates) == plan.rows * plan.epochs
-    assert sum(map(len, (split for _, (split,) in seen.updates))) == plan.micro_batches_per_step
-    # sequences sampled in the step, and the passes that scored the batch before the update
-    assert sum(seen.sampled) in range(plan.sampled_rows[0], plan.sampled_rows[1] + 1)
-    assert sum(seen.sampled) == (plan.rows if plan.on_policy else 0)
-    assert seen.scoring == [explain.chunks(plan.rows, plan.micro_batch_size)] * len(plan.scored)
-    # the models
-    roles = {m.role: m for m in plan.models}
-    assert engine.critic is not None if "critic" in roles else engine.critic is None
-    assert (engine.ref is not None) == ("reference" in roles and "adapter off" not in roles["reference"].origin)
-    assert engine.ref_is_base == ("reference" in roles and "adapter off" in roles["reference"].origin)
-    assert ("old_logp" in engine.needs) == ("old_logp" in plan.scored)
-    assert (getattr(engine.judge, "reward_model", None) is not None) == ("reward model" in roles)
-    # what the run wrote: one step, its trained and sampled tokens within the bounds
-    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads((out / "summary.json").read_text())["steps"] == plan.steps == 1
-    assert 0 < metrics["trained_tokens"] <= plan.response_tokens
-    assert metrics.get("generated_tokens", 0) <= plan.sampled_tokens[1]
-
-
-def test_dpo_pairs_from_a_file_are_whole_units(tiny_model_dir, tmp_path, monkeypatch):
+def test_dpo_pairs_from_a_file_are_whole_units(tiny_model_dir, tmp_path):
     """A pair is two rows and stays in one micro-batch: train.micro_batch_size=3 runs as micro-batches of 2. The
-    reference scores every pair once, before step 1, so a step scores nothing before its update."""
+    reference scores every pair once, before step 1, so a step scores nothing before its update. (Every recipe's
+    plan against its run: tests/test_plan.py.)"""
     pairs = tmp_path / "prefs.jsonl"
     pairs.write_text("\n".join(json.dumps({"prompt": f"{i}+1", "chosen": f"{i}+1={i + 1}\n#### {i + 1}",
                                            "rejected": f"{i}+1={i}\n#### {i}"}) for i in range(8)))
@@ -212,9 +119,9 @@ def test_dpo_pairs_from_a_file_are_whole_units(tiny_model_dir, tmp_path, monkeyp
                                              f"algorithm.pairs_path={pairs}"])
     plan = explain.explain(cfg, "dpo_math", 1)
     assert plan.rows == 8 and plan.micro_batch_size == 2 and plan.micro_batch_rows == [[2, 2, 2, 2]]
-    seen = Counted(monkeypatch)
-    run(cfg, resolved, quiet=True)
-    engine = seen.engines[0]
-    assert [split for _, (split,) in seen.updates] == plan.micro_batch_rows * plan.epochs
-    assert seen.scoring == [] == plan.scored and seen.sampled == []
-    assert engine.source.scores_reference and "reference" in {m.role for m in plan.models}
+    assert plan.scored == [] and "reference" in {m.role for m in plan.models}
+    assert plan.run.role("reference").scored_once
+    summary = run(cfg, resolved, quiet=True)
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["plan"] == plan.run.to_dict() and metrics["micro_batches"] == 4 and metrics["updates"] == 1
+    assert "generated_tokens" not in metrics  # nothing sampled

@@ -270,7 +270,8 @@ def test_online_source_puts_step_rewards_on_the_sampled_tokens(chars):
         return Online(Deps(sampler=rows, tokenizer=chars, data=DataConfig(), batch_size=1, micro_batch_size=2, seed=0,
                            algorithm=None, samples_per_prompt=2, rollout=Rollout(), sampling=RolloutConfig(),
                            judge=judge, score_reference=None, model_path=Path("."), cache_dir=Path("."), needs=needs,
-                           temperature=SamplingTemperature(1.0)))
+                           temperature=SamplingTemperature(1.0),
+                           stages=("rewards.process",) if "step_reward" in needs else ()))
 
     batch, _ = source(frozenset({"step_reward"})).next()
     assert batch.reward.tolist() == [1.0, 0.0]

@@ -2,7 +2,6 @@
 against autograd on the weighted objective written out, and its config checks."""
 
 import io
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,7 +155,7 @@ def scored_batch(spread: float):
 def engine(cfg, tis_cap, elite_cap) -> Engine:
     e = Engine.__new__(Engine)  # only what Engine.coefficient reads
     e.plugin, e.tis_cap, e.tis_mode, e.mismatch, e.elite_sums = GRPO, tis_cap, "token_truncate", torch.zeros(3), torch.zeros(2)
-    e.algorithm, e.cfg, e.proximal = cfg, SimpleNamespace(rollout=SimpleNamespace(elite_is_cap=elite_cap)), "trainer"
+    e.algorithm, e.elite_is_cap, e.proximal = cfg, elite_cap, "trainer"
     return e
 
 

@@ -31,10 +31,10 @@ def test_every_round_updates_the_pass_rates():
 def test_on_with_a_consumer_of_pass_rates_only():
     """The run makes the pass rates (the controller) only for adaptive group sizes or the pass-rate curriculum; the
     stage follows the controller."""
-    assert PassRateUpdates.build(deps(["mixed"], pass_rates=None)) is None
     assert isinstance(PassRateUpdates.build(deps(["mixed"], pass_rates=PassRates("question"))), PassRateUpdates)
     for overrides, on in ((["rollout.adaptive_group_size=true", "algorithm.group_size=6"], True),
                           (["data.curriculum=pass_rate"], True), ([], False)):
         cfg, _ = config.load("grpo_math", overrides)
         rows = [{"question": "1+1", "answer": "2"}]
         assert (build_controllers(cfg, rows, 0, 1, 0).pass_rates is not None) is on
+        assert PassRateUpdates.on(cfg, frozenset()) is on

@@ -28,7 +28,8 @@ def test_scores_the_kept_samples_only(monkeypatch):
 
 
 def test_off_unless_the_plugin_asks():
-    assert StepRewards.build(deps(["mixed"])) is None
+    assert not StepRewards.on(None, frozenset()) and StepRewards.on(None, frozenset({"step_reward"}))
+    assert StepRewards.key not in deps(["mixed"]).stages
     assert isinstance(StepRewards.build(deps(["mixed"], needs=frozenset({"step_reward"}))), StepRewards)
 
 

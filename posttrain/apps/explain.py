@@ -2,11 +2,13 @@
 
 Batch sizes are where users of RL trainers most often lose their way: prompts or sequences, per process or over all
 of them, how many optimizer steps one batch gives, how far behind the policy a trained sample may be. `explain`
-answers from the validated config and the rules the engine follows. It loads no model and trains nothing; it reads
-the model's config.json (when `model.path` is given) for the memory estimate only.
+answers from the run's plan (posttrain/train/plan.py), the one `build` assembles the run from and summary.json records
+under `plan`: explain puts it in words and adds the memory estimate, and decides nothing of its own
+(tests/test_plan.py checks that the plan it prints is the plan the run records, and that the step does what it says).
+It loads no model and trains nothing; it reads the model's config.json (when `model.path` is given) for the memory
+estimate only.
 
-The rules, as posttrain/train/build.py and engine.py apply them (tests/test_explain.py checks them against a real
-step):
+The plan's rules:
 
 1. A step draws `train.batch_size` prompts (online source), rows (offline), kept samples (RFT's samples drawn once) or
    pairs (DPO) on each process. An online source samples n completions of each prompt (the plugin's
@@ -35,7 +37,6 @@ import dataclasses
 import inspect
 import json
 import math
-import os
 import textwrap
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ from posttrain import config
 from posttrain.apps import estimate
 from posttrain.core.errors import UserError
 from posttrain.schema import RunConfig
+from posttrain.train.plan import Machine, RunPlan, launched_processes
+from posttrain.train.plan import plan as make_plan
 
 # What `train.batch_size` counts with each built-in source, and the source in words; a source registered later is
 # described by its name and counted in rows.
@@ -133,6 +136,7 @@ class Plan:
     memory: Memory | None = None
     memory_note: str = ""  # why there is no estimate, or what it assumes
     notes: list[str] = field(default_factory=list)  # settings that do not do what they seem to
+    run: RunPlan | None = None  # the run's plan, as summary.json records it under `plan`
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -147,95 +151,71 @@ def chunks(total: int, size: int) -> list[int]:
 
 def world_size() -> int:
     """The number of processes a launcher starts (WORLD_SIZE, as torchrun and accelerate set it; default 1)."""
-    raw = os.environ.get("WORLD_SIZE", "1")
-    if not raw.isdigit() or int(raw) < 1:
-        raise UserError(f"WORLD_SIZE={raw}: expected a positive number of processes")
-    return int(raw)
+    return launched_processes()
 
 
 def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
-    """The plan of one step of the run `cfg` describes on `world` processes (the module docstring gives the rules)."""
-    from posttrain.sources import SOURCES as REGISTERED  # (transformers): once the config is valid
-
-    plugin, a, t, r, d = config.algorithm_of(cfg), cfg.algorithm, cfg.train, cfg.rollout, cfg.data
-    source = REGISTERED.find(plugin.source)
-    unit = plugin.unit
-    n = plugin.samples_per_prompt(a) if source.on_policy else 1
-    rows = t.batch_size * n * unit
-    micro = max(unit, t.micro_batch_size // unit * unit)
-    from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
-    longest = d.max_prompt_len + (d.max_response_len if from_file else r.max_new_tokens)  # a row at its bounds
-    if t.micro_batch_tokens is not None:
-        micro = max(unit, t.micro_batch_tokens // longest // unit * unit)
-    epochs, parts = plugin.epochs(a), plugin.minibatches(a)
-    minibatch_rows = chunks(rows, -(-rows // unit // parts) * unit)
-    updates_per_step = epochs * len(minibatch_rows)
-    needs = plugin.needs(a) | ({"old_logp"} if source.on_policy and epochs * parts > 1 else set())
-    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
-    sampled = (rows, rows * rounds) if source.on_policy else (0, 0)
-    once = 0 if source.on_policy or from_file or not hasattr(a, "num_prompts") else a.num_prompts * a.samples_per_prompt
-    budget = "data.max_response_len" if from_file else "rollout.max_new_tokens"
+    """One step of the run `cfg` describes on `world` processes of this machine, as its plan
+    (posttrain/train/plan.py) has it: this adds words and the memory estimate, and decides nothing."""
+    run = make_plan(cfg, dataclasses.replace(Machine.here(cfg), world_size=world))
+    s, update = run.shape, run.passes.update
     plan = Plan(
-        recipe=recipe, method=plugin.name, source=plugin.source, on_policy=source.on_policy, world_size=world,
-        steps=t.steps, batch_size=t.batch_size, batch_unit=SOURCES.get(plugin.source, ("rows",))[0],
-        samples_per_prompt=n, rows=rows, sampled_rows=sampled, sampled_once=once, micro_batch_size=micro,
-        micro_batch_tokens=t.micro_batch_tokens, packed=t.packing,
-        epochs=epochs, minibatch_rows=minibatch_rows, micro_batch_rows=[chunks(m, micro) for m in minibatch_rows],
-        updates_per_step=updates_per_step, updates=t.steps * updates_per_step,
-        scheduled_updates=t.steps * epochs * parts, prompt_tokens=rows * d.max_prompt_len,
-        response_tokens=rows * (d.max_response_len if from_file else r.max_new_tokens),
-        sampled_tokens=(sampled[0] * r.max_new_tokens, sampled[1] * r.max_new_tokens), response_budget=budget,
-        scored=[k for k in ("ref_logp", "old_logp", "values") if k in needs and not (k == "ref_logp" and (
-            source.scores_reference or r.reference_on == "workers"))])
-    plan.models, plan.notes = models(cfg, plugin, source, needs, world)
-    plan.stages, unknown = stages(cfg, plugin, source, needs, rows)
+        recipe=recipe, method=run.method, source=run.source, on_policy=run.on_policy, world_size=run.world_size,
+        steps=run.steps, batch_size=s.batch_size, batch_unit=s.batch_unit, samples_per_prompt=s.samples_per_prompt,
+        rows=s.rows, sampled_rows=s.sampled_rows, sampled_once=s.sampled_once, micro_batch_size=s.micro_batch_rows,
+        micro_batch_tokens=update.tokens, packed=update.packing, epochs=s.epochs,
+        minibatch_rows=list(s.minibatch_rows), micro_batch_rows=[list(m) for m in s.micro_batches],
+        updates_per_step=s.updates_per_step, updates=s.updates, scheduled_updates=s.scheduled_updates,
+        prompt_tokens=s.prompt_tokens, response_tokens=s.response_tokens, sampled_tokens=s.sampled_tokens,
+        response_budget=s.response_budget, scored=list(run.scored), run=run)
+    plugin = config.algorithm_of(cfg)
+    plan.models, plan.notes = models(cfg, plugin, run)
+    plan.stages, unknown = stages(cfg, plugin, run)
     plan.notes += unknown
-    plan.max_lag, plan.lag = lag(cfg, plan)
+    plan.max_lag, plan.lag = lag(run)
     if plan.scheduled_updates != plan.updates:
+        parts = plugin.minibatches(cfg.algorithm)
         plan.notes.append(f"the learning-rate schedule is spread over {plan.scheduled_updates} optimizer steps "
-                          f"(train.steps × μ × {parts} minibatches), but {rows} rows make {len(minibatch_rows)} "
-                          f"minibatches, so the run takes {plan.updates}")
-    plan.memory, plan.memory_note = memory(cfg, plugin, rows, world)
+                          f"(train.steps × μ × {parts} minibatches), but {plan.rows} rows make "
+                          f"{len(plan.minibatch_rows)} minibatches, so the run takes {plan.updates}")
+    plan.memory, plan.memory_note = memory(cfg, plugin, plan.rows, run.world_size)
     return plan
 
 
-def models(cfg: RunConfig, plugin, source, needs: frozenset[str], world: int = 1) -> tuple[list[Model], list[str]]:
-    """The models a run loads for `needs` (the rules of posttrain/train/build.py), and notes on paths given but not
-    loaded."""
-    a, adapters, name = cfg.algorithm, cfg.model.lora.r, plugin.name
+def models(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Model], list[str]]:
+    """The models the plan holds, in words, and notes on paths given but not loaded."""
+    a, adapters, name, r = cfg.algorithm, cfg.model.lora.r, plugin.name, run.rollout
     start = cfg.model.path or "the embedded tiny model, warmed up with SFT (cached)"
     trained = f"LoRA adapters of rank {adapters} trained, the base frozen" if adapters else "every weight trained"
-    r = cfg.rollout
-    samples = "samples the rollouts; " if source.on_policy and r.engine == "hf" and r.placement == "colocated" else ""
+    samples = "samples the rollouts; " if run.on_policy and r.weight_sync == "none" else ""
     out, notes = [Model("policy", start, True, f"{samples}{trained}")], []
+    sent = {"adapter": " (the LoRA adapter alone)", "merged": " (LoRA adapters merged in)"}.get(r.weight_sync, "")
     if r.placement == "separate":  # started for every run: evaluation samples through them too
-        sent = " (the LoRA adapter alone)" if adapters and r.engine == "hf" else \
-            " (LoRA adapters merged in)" if adapters else ""
         out.append(Model("rollout workers", f"rollout.placement=separate: {_n(r.workers, 'process')} "
                          f"running rollout.engine={r.engine}, each its own copy of the policy's weights"
-                         + (f", started by the first of the {world} training processes and shared by all" if world > 1
-                            else ""), False,
+                         + (f", started by the first of the {run.world_size} training processes and shared by all"
+                            if r.shared_workers else ""), False,
                          f"sample; take the policy's weights after each step{sent}"))
-    elif r.engine != "hf":  # started for every run: evaluation samples through it too
-        out.append(Model("rollout engine", f"rollout.engine={cfg.rollout.engine}, its own copy of the policy's "
-                         "weights", False, "samples; gets the policy's weights after each step" +
-                         (" (LoRA adapters merged in)" if adapters else "")))
-    if "ref_logp" in needs:
+    elif r.weight_sync != "none":  # started for every run: evaluation samples through it too
+        out.append(Model("rollout engine", f"rollout.engine={r.engine}, its own copy of the policy's weights", False,
+                         f"samples; gets the policy's weights after each step{sent}"))
+    reference = run.role("reference")
+    if reference is not None:
         beta = getattr(a, "beta", None)
         why = (f"for the KL penalty to it (algorithm.beta={beta:g})" if plugin.kl_penalty and beta is not None
                else f"{name}'s loss compares the policy's log-probs with its log-probs")
-        if source.scores_reference:
+        if reference.scored_once:
             why += "; it scores the data once when the run starts and is then freed"
-        origin = ("the policy with its LoRA adapter off (no second model)" if adapters and cfg.model.ref_path is None
-                  else cfg.model.ref_path or "a copy of the starting policy")
-        if r.reference_on == "workers":
-            origin = (f"{cfg.model.ref_path or 'a copy of the starting policy'}, held by each rollout worker "
-                      "(rollout.reference_on=workers), not by the trainer")
+        origin = cfg.model.ref_path or "a copy of the starting policy"
+        if reference.where == "adapter_off":
+            origin = "the policy with its LoRA adapter off (no second model)"
+        elif reference.where == "workers":
+            origin += ", held by each rollout worker (rollout.reference_on=workers), not by the trainer"
             why += "; the workers score each batch they sample"
         out.append(Model("reference", origin, False, why))
     elif cfg.model.ref_path:
         notes.append(f"model.ref_path is set, but {name} with these settings needs no reference: not loaded")
-    if "values" in needs:
+    if run.role("critic") is not None:
         origin = getattr(a, "critic_path", None) or "the starting policy's weights, with a value head"
         lr = getattr(a, "critic_lr", None)
         why = "values of the response tokens, for the advantages" + (f"; trained at algorithm.critic_lr={lr:g}"
@@ -244,21 +224,19 @@ def models(cfg: RunConfig, plugin, source, needs: frozenset[str], world: int = 1
             why += "; its own LoRA adapter and value head on its own copy of the base"
         out.append(Model("critic", origin, True, why))
     rm = cfg.reward_model
-    if "reward" in needs and rm.path:
+    if run.role("reward_model") is not None:
         out.append(Model("reward model", rm.path, False, f"its score × reward_model.weight={rm.weight:g} is added "
                          "to the rule rewards"))
-    if "step_reward" in needs and cfg.rewards.process == "model":
+    if run.role("process_reward_model") is not None:
         out.append(Model("process reward model", rm.process_path, False, "scores each step of the samples trained "
                          "on (rewards.process=model)"))
     return out, notes
 
 
-def stages(cfg: RunConfig, plugin, source, needs: frozenset[str], rows: int) -> tuple[list[Stage], list[str]]:
+def stages(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Stage], list[str]]:
     """What a step's data goes through, in order: the row draws, the round an online source draws (group sizes,
-    sampling, the judge), then the stages of its pipeline that the config switches on, in `posttrain.stages.STAGES`'
-    order; and notes naming any stage this module does not describe."""
-    from posttrain.stages import STAGES
-
+    sampling, the judge), then the stages of its pipeline the plan switches on, in their order; and notes naming any
+    stage this module does not describe."""
     d, r, rw, t = cfg.data, cfg.rollout, cfg.rewards, cfg.train
     out, notes = [], []
     if d.curriculum == "field":
@@ -268,73 +246,67 @@ def stages(cfg: RunConfig, plugin, source, needs: frozenset[str], rows: int) -> 
     elif d.curriculum == "pass_rate":
         out.append(Stage("data.curriculum=pass_rate", "prompts drawn in proportion to max(1 − running pass rate, "
                          f"{d.curriculum_floor:g})"))
-    if not source.on_policy:
+    if not run.on_policy:
         return out, notes
-    n = plugin.samples_per_prompt(cfg.algorithm)
     if r.adaptive_group_size:
         out.append(Stage("rollout.adaptive_group_size", f"each prompt's group size from its running pass rate, in "
-                         f"[{r.min_group_size}, {r.max_group_size}], {rows} samples in all"))
+                         f"[{r.min_group_size}, {r.max_group_size}], {run.shape.rows} samples in all"))
     temperature = (f"temperature {r.temperature:g} at step 1, then set by rollout.adaptive_temperature"
                    if r.adaptive_temperature else f"temperature {r.temperature:g}")
-    out.append(Stage(f"rollout.engine={r.engine}", f"{_n(n, 'completion')} per prompt of at most "
-                     f"{r.max_new_tokens} tokens, {temperature}, top_p {r.top_p:g}"))
+    out.append(Stage(f"rollout.engine={r.engine}", f"{_n(run.shape.samples_per_prompt, 'completion')} per prompt of "
+                     f"at most {r.max_new_tokens} tokens, {temperature}, top_p {r.top_p:g}"))
     parts = [f"{k} × {w:g}" for k, w in {**rw.weights, **rw.custom}.items()]
-    if "reward" in needs and cfg.reward_model.path:
+    if run.role("reward_model") is not None:
         parts.append(f"reward model × {cfg.reward_model.weight:g}")
     norm = f", each objective z-scored over the {rw.normalize} first" if rw.normalize != "none" else ""
     out.append(Stage("rewards", f"the judge scores each completion: {' + '.join(parts)}{norm}"))
-    for stage in STAGES:
-        describe = STAGE_WORDS.get(stage.__name__)
+    for key in run.stages:
+        describe = STAGE_WORDS.get(key)
         if describe is None:
-            notes.append(f"the online pipeline also has a stage {stage.__name__} ({stage.key}), not described here")
-        elif (what := describe(cfg, needs)) is not None:
-            out.append(Stage(stage.key, what))
+            notes.append(f"the online pipeline also has a stage switched on by {key}, not described here")
+        else:
+            out.append(Stage(key, describe(cfg)))
     return out, notes
 
 
-def _dynamic_sampling(cfg: RunConfig, needs) -> str | None:
+def _dynamic_sampling(cfg: RunConfig) -> str:
     r, b = cfg.rollout, cfg.train.batch_size
     return (f"only groups whose rewards differ are kept: rounds of {b} more prompts, at most {r.max_sampling_rounds}, "
-            f"until {b} such groups (then equal ones fill the batch)") if r.dynamic_sampling else None
+            f"until {b} such groups (then equal ones fill the batch)")
 
 
-def _overlong(cfg: RunConfig, needs) -> str | None:
+def _overlong(cfg: RunConfig) -> str:
     rw, budget = cfg.rewards, cfg.rollout.max_new_tokens
     return (f"the reward falls linearly by up to {rw.overlong_penalty:g} over the last {rw.overlong_buffer} of the "
-            f"{budget} tokens; a truncated completion loses all of it") if rw.overlong_buffer else None
+            f"{budget} tokens; a truncated completion loses all of it")
 
 
-# Each stage of posttrain.stages.STAGES by class name: (config, what the engine provides) -> what it does, or None
-# when the config leaves it off (the condition its `build` tests).
+# What each stage of posttrain.stages.STAGES does, by the key that switches it on (the plan says which are on).
 STAGE_WORDS = {
-    "PassRateUpdates": lambda cfg, needs: ("each prompt's running pass rate is updated from the judge's verdicts"
-                                           if cfg.rollout.adaptive_group_size or cfg.data.curriculum == "pass_rate"
-                                           else None),
-    "OverlongPenalty": _overlong,
-    "DynamicSampling": _dynamic_sampling,
-    "EliteReplay": lambda cfg, needs: (f"the best completion so far of up to {cfg.rollout.elite_pool} prompts is "
-                                       "kept; a group that does worse gets it back in place of its worst sample"
-                                       if cfg.rollout.elite_pool else None),
-    "StepRewards": lambda cfg, needs: (f"each step of the completions trained on is scored ({cfg.rewards.process})"
-                                       if "step_reward" in needs else None),
-    "AdaptiveTemperature": lambda cfg, needs: (
+    "rollout.adaptive_group_size | data.curriculum=pass_rate":
+        lambda cfg: "each prompt's running pass rate is updated from the judge's verdicts",
+    "rewards.overlong_buffer": _overlong,
+    "rollout.dynamic_sampling": _dynamic_sampling,
+    "rollout.elite_pool": lambda cfg: (f"the best completion so far of up to {cfg.rollout.elite_pool} prompts is kept; "
+                                       "a group that does worse gets it back in place of its worst sample"),
+    "rewards.process": lambda cfg: f"each step of the completions trained on is scored ({cfg.rewards.process})",
+    "rollout.adaptive_temperature": lambda cfg: (
         "the next step's temperature moves toward a target entropy of the sampled tokens, within "
-        f"[{cfg.rollout.min_temperature:g}, {cfg.rollout.max_temperature:g}]" if cfg.rollout.adaptive_temperature
-        else None),
+        f"[{cfg.rollout.min_temperature:g}, {cfg.rollout.max_temperature:g}]"),
 }
 
 
-def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
+def lag(run: RunPlan) -> tuple[int | None, list[str]]:
     """How far behind the policy it updates the policy that drew a trained sample may be: optimizer steps (None for
-    data no policy of the run drew), and the same in words."""
-    r = cfg.rollout
-    if not plan.on_policy:
-        if plan.sampled_once:
+    data no policy of the run drew), and the same in words; the correction as the plan resolved it."""
+    r, s = run.rollout, run.shape
+    if not run.on_policy:
+        if s.sampled_once:
             return None, ["fixed data: samples of the starting model, drawn once; they are never drawn again, so at "
-                          f"step k they are (k − 1) × {plan.updates_per_step} optimizer steps behind the policy"]
+                          f"step k they are (k − 1) × {s.updates_per_step} optimizer steps behind the policy"]
         return None, ["fixed data: rows no policy of the run drew"]
-    ahead = r.max_staleness * plan.updates_per_step  # optimizer steps the workers may sample ahead
-    behind = ahead + plan.updates_per_step - 1
+    ahead = r.max_staleness * s.updates_per_step  # optimizer steps the workers may sample ahead
+    behind = ahead + s.updates_per_step - 1
     words = ["the step's first optimizer step trains on samples of the policy it updates (on-policy)"]
     correction = (f"each token's GC is weighted by the truncated importance ratio (rollout.tis_cap={r.tis_cap:g}, "
                   f"{r.tis_mode})" if r.tis_cap is not None else "")
@@ -348,14 +320,14 @@ def lag(cfg: RunConfig, plan: Plan) -> tuple[int | None, list[str]]:
                  f"{_n(ahead, 'optimizer step')} behind the one it updates; {correction}"]
     elif r.proximal == "sampler":
         words.append(correction)
-    if plan.updates_per_step > 1:
+    if s.updates_per_step > 1:
         words.append(f"each later one is one step further behind: the last is {_n(behind, 'optimizer step')} behind "
-                     f"({f'{ahead} + ' if ahead else ''}μ={plan.epochs} × "
-                     f"{_n(len(plan.minibatch_rows), 'minibatch')} − 1); " + (
+                     f"({f'{ahead} + ' if ahead else ''}μ={s.epochs} × "
+                     f"{_n(len(s.minibatch_rows), 'minibatch')} − 1); " + (
                          "the clipped ratio's π_old is the sampler's log-probs" if r.proximal == "sampler" else
                          "the sampling policy's log-probs (old_logp) are scored before the first, for the clipped "
                          "ratio"))
-    if r.elite_pool:
+    if "rollout.elite_pool" in run.stages:
         words.append("replayed elite completions were drawn by the policy of an earlier step, any number of steps "
                      f"behind; their GC is weighted by min(π_old / μ, rollout.elite_is_cap={r.elite_is_cap:g})")
     if r.engine != "hf" and not ahead:
@@ -408,7 +380,8 @@ def memory(cfg: RunConfig, plugin, rows: int, world: int) -> tuple[Memory | None
 def as_dict(plan: Plan) -> dict:
     """The plan as plain data (for --json), with the counts over all processes beside the per-process ones."""
     w = plan.world_size
-    return {**dataclasses.asdict(plan), "micro_batches_per_step": plan.micro_batches_per_step,
+    out = {k: v for k, v in dataclasses.asdict(plan).items() if k != "run"}
+    return {**out, "plan": plan.run.to_dict(), "micro_batches_per_step": plan.micro_batches_per_step,
             "all_processes": {"batch_size": plan.batch_size * w, "rows": plan.rows * w,
                               "sampled_rows": [s * w for s in plan.sampled_rows],
                               "sampled_once": plan.sampled_once * w, "prompt_tokens": plan.prompt_tokens * w,

@@ -52,6 +52,7 @@ class Deps:
     # metrics): FixedGroups or AdaptiveGroups (posttrain.data.difficulty)
     episodes: Any = None  # with env.name, the Episodes (sources/episodes.py) that sample multi-turn episodes on
     # `rollout`; None: single completions
+    stages: tuple[str, ...] = ()  # the online pipeline's stages the plan switches on, by key (posttrain.stages)
 
 
 class Source:

@@ -35,5 +35,5 @@ def check(cfg, plugin) -> None:
 
 
 def build(deps) -> list[Stage]:
-    """The stages the config switches on, in order."""
-    return [s for s in (stage.build(deps) for stage in STAGES) if s is not None]
+    """The stages the run's plan switches on (`deps.stages`, their keys), in order."""
+    return [stage.build(deps) for stage in STAGES if stage.key in deps.stages]

@@ -49,9 +49,16 @@ class Stage:
     def check(cfg: Any, plugin: Any) -> None:
         """Raises ConfigError when the validated config asks for this stage where it cannot work."""
 
+    @staticmethod
+    def on(cfg: Any, needs: frozenset[str]) -> bool:
+        """Whether the validated config switches the stage on (with what the plugin needs): the plan's decision
+        (posttrain.train.plan), which the online source follows."""
+        raise NotImplementedError
+
     @classmethod
-    def build(cls, deps: Any) -> Stage | None:
-        """The stage for a run, from the online source's dependencies (`posttrain.sources.Deps`); None when off."""
+    def build(cls, deps: Any) -> Stage:
+        """The stage for a run the plan switches it on for, from the online source's dependencies
+        (`posttrain.sources.Deps`)."""
         raise NotImplementedError
 
     def __call__(self, judged: Judged, more: Callable[[], Judged]) -> Judged:

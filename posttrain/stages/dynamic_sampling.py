@@ -43,11 +43,13 @@ class DynamicSampling(Stage):
             raise ConfigError("rollout.adaptive_group_size: not with rollout.dynamic_sampling (groups of unequal size "
                               "would give each process a different number of rows); choose one")
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return cfg.rollout.dynamic_sampling
+
     @classmethod
-    def build(cls, deps) -> DynamicSampling | None:
+    def build(cls, deps) -> DynamicSampling:
         s = deps.sampling
-        if not s.dynamic_sampling:
-            return None
         return cls(deps.batch_size, deps.samples_per_prompt, s.max_sampling_rounds, deps.tokenizer.pad_token_id,
                    deps.agree)
 

@@ -168,9 +168,13 @@ class EliteReplay(Stage):
                               f"{cfg.rewards.normalize} makes each reward relative to its own step's samples; choose "
                               "one")
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return bool(cfg.rollout.elite_pool)
+
     @classmethod
-    def build(cls, deps) -> EliteReplay | None:
-        return cls(deps.elite, deps.tokenizer) if deps.elite is not None else None
+    def build(cls, deps) -> EliteReplay:
+        return cls(deps.elite, deps.tokenizer)
 
     def __call__(self, judged: Judged, more) -> Judged:
         batch, replayed = self.pool.inject(judged.batch)

@@ -28,11 +28,13 @@ class OverlongPenalty(Stage):
             raise ConfigError(f"rewards.overlong_buffer: the overlong punishment shapes the rewards of samples drawn "
                               f"as the run trains; {plugin.name} trains on no such samples")
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return bool(cfg.rewards.overlong_buffer)
+
     @classmethod
-    def build(cls, deps) -> OverlongPenalty | None:
+    def build(cls, deps) -> OverlongPenalty:
         r = deps.rewards
-        if r is None or not r.overlong_buffer:
-            return None
         return cls(r.overlong_buffer, r.overlong_penalty, deps.sampling.max_new_tokens)
 
     def __call__(self, judged: Judged, more) -> Judged:

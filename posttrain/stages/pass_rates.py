@@ -8,6 +8,7 @@ Metrics: `pass_rate`, the share of the round's samples the judge found correct.
 
 from __future__ import annotations
 
+from posttrain.data.difficulty import tracks_pass_rates
 from posttrain.stages.base import Judged, Stage
 
 
@@ -17,9 +18,13 @@ class PassRateUpdates(Stage):
     def __init__(self, pass_rates, correct):
         self.pass_rates, self.correct = pass_rates, correct  # PassRates; (rows, texts) -> list[bool], the judge's
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return tracks_pass_rates(cfg)
+
     @classmethod
-    def build(cls, deps) -> PassRateUpdates | None:
-        return cls(deps.pass_rates, deps.judge.correct) if deps.pass_rates is not None else None
+    def build(cls, deps) -> PassRateUpdates:
+        return cls(deps.pass_rates, deps.judge.correct)
 
     def __call__(self, judged: Judged, more) -> Judged:
         correct = self.correct(judged.rows, judged.texts)

@@ -59,9 +59,13 @@ class StepRewards(Stage):
             raise ConfigError("reward_model.process_path: rewards.process=model needs a process reward model "
                               "directory")
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return "step_reward" in needs
+
     @classmethod
-    def build(cls, deps) -> StepRewards | None:
-        return cls(deps.judge.score_steps, deps.tokenizer) if "step_reward" in deps.needs else None
+    def build(cls, deps) -> StepRewards:
+        return cls(deps.judge.score_steps, deps.tokenizer)
 
     def __call__(self, judged: Judged, more) -> Judged:
         t0 = time.perf_counter()

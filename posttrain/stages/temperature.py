@@ -35,9 +35,13 @@ class AdaptiveTemperature(Stage):
                               f"in [rollout.min_temperature, rollout.max_temperature] = [{r.min_temperature}, "
                               f"{r.max_temperature}]")
 
+    @staticmethod
+    def on(cfg, needs) -> bool:
+        return cfg.rollout.adaptive_temperature
+
     @classmethod
-    def build(cls, deps) -> AdaptiveTemperature | None:
-        return cls(deps.temperature, deps.reduce) if deps.sampling.adaptive_temperature else None
+    def build(cls, deps) -> AdaptiveTemperature:
+        return cls(deps.temperature, deps.reduce)
 
     def __call__(self, judged: Judged, more) -> Judged:
         batch = judged.batch

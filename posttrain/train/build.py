@@ -18,7 +18,6 @@ from posttrain.config import algorithm_of
 from posttrain.core.errors import ConfigError, UserError
 from posttrain.core.memory import RoleBytes
 from posttrain.core.schedules import lr_factor
-from posttrain.core.threads import allowed_cpus, usable_cores
 from posttrain.data import uses_chat
 from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.data.lengths import check_token_budget
@@ -32,22 +31,27 @@ from posttrain.sources import SOURCES, Deps
 from posttrain.sources.episodes import episodes_for
 from posttrain.train.controllers import build_controllers
 from posttrain.train.engine import Engine
+from posttrain.train.plan import Machine, RunPlan
+from posttrain.train.plan import plan as make_plan
 from posttrain.train.producer import Producer
 
 
-def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
-          splits: tuple[list[dict], list[dict]]) -> Engine:
-    """The run's engine with all its parts.
+def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tuple[list[dict], list[dict]],
+          plan: RunPlan | None = None) -> Engine:
+    """The run's engine with all its parts, as `plan` says.
 
     Args:
         cfg: the validated config (never changed after this).
         model_path: the starting policy's directory.
         backend: how training is distributed; `backend.precision` is the precision that runs.
         splits: (training rows, held-out rows).
+        plan: how the run is assembled (posttrain/train/plan.py), which nothing here decides again; None: the plan of
+            `cfg` on this machine.
     """
+    plan = plan or make_plan(cfg, Machine.here(cfg))
     model_path = Path(model_path)
     plugin = algorithm_of(cfg)
-    needs = plugin.needs(cfg.algorithm)
+    needs = frozenset(plan.needs)
     train_rows, test_rows = splits
     t, a, adapters = cfg.train, cfg.algorithm, cfg.model.lora
     precision = backend.precision  # as it runs: train.precision=auto resolved for the device
@@ -66,25 +70,21 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     judge = judges.build(cfg, backend.device, with_reward_model="reward" in needs, place=backend.freeze,
                          tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision)
 
-    # The reference: none, its own frozen model, or (LoRA, no model.ref_path) the policy with its adapter off; or
-    # held by the rollout workers (rollout.reference_on=workers), which score each batch they make.
-    ref, ref_is_base, ref_on_workers = None, False, None
-    if "ref_logp" in needs and cfg.rollout.reference_on == "workers":
+    # The reference, where the plan puts it: its own frozen model on the trainer, the policy with its LoRA adapter
+    # off, or the rollout workers' (which score each batch they make).
+    reference, ref, ref_on_workers = plan.role("reference"), None, None
+    if reference is not None and reference.where == "workers":
         ref_on_workers = reference_dir(cfg, model_path)
-    elif "ref_logp" in needs:  # loaded only when the plugin asks for it
-        if adapters.r and cfg.model.ref_path is None:
-            ref_is_base = True
-        else:
-            ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
+    elif reference is not None and reference.where == "trainer":
+        ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
 
     parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
-    updates = t.steps * plugin.epochs(a) * plugin.minibatches(a)  # optimizer steps of the run
-    schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=updates,
-                                 cycles=t.lr_cycles, floor=t.min_lr / t.lr)
+    schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps,
+                                 total=plan.shape.scheduled_updates, cycles=t.lr_cycles, floor=t.min_lr / t.lr)
     trained_policy = backend.train(policy, lr=t.lr, weight_decay=t.weight_decay, schedule=schedule,
                                    max_grad_norm=t.max_grad_norm)
     critic = None
-    if "values" in needs:  # a critic, its gradients and its AdamW state: loaded only when asked for
+    if plan.role("critic") is not None:  # a critic, its gradients and its AdamW state: loaded only when asked for
         model, _ = load(a.critic_path or model_path, "critic", dtype=dtype, same_vocab_as=tokenizer,
                         key="algorithm.critic_path" if a.critic_path else "model.path")
         lean_gated_mlps(model)
@@ -98,55 +98,46 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
         stop_ids=stop_token_ids(sampler, tokenizer), sampling=cfg.rollout, precision=precision,
         seed=cfg.seed + backend.rank, max_seqs=max(t.batch_size * plugin.samples_per_prompt(a), cfg.eval.batch_size),
         agree=backend.agree if backend.sharded else None)
-    separate = cfg.rollout.placement == "separate"
-    lanes = None
-    if separate and backend.world_size > 1:
-        lanes = share_workers(cfg, backend, judge)
-    if not separate:
+    p = plan.rollout
+    lanes = share_workers(cfg, backend, judge) if p.shared_workers else None
+    if p.placement != "separate":
         rollouts = rollout.get(cfg.rollout.engine).start(setup)
     elif lanes is None:
-        rollouts = start_workers(cfg, setup, dtype, ref_on_workers)
+        rollouts = start_workers(cfg, plan, setup, dtype, ref_on_workers)
     else:  # the first process holds the workers; every process samples through them in collective calls
-        pool = start_workers(cfg, setup, dtype, ref_on_workers) if backend.rank == 0 else None
+        pool = start_workers(cfg, plan, setup, dtype, ref_on_workers) if backend.rank == 0 else None
         backend.barrier()  # the others wait while the first starts them
-        rollouts = SharedPool(pool, lanes, shared_rng=shared_rng(cfg.rollout), name=cfg.rollout.engine,
-                              takes_adapter=takes_adapter(cfg))
+        rollouts = SharedPool(pool, lanes, shared_rng=p.shared_rng, name=cfg.rollout.engine,
+                              takes_adapter=p.weight_sync == "adapter")
 
     source_cls = SOURCES.find(plugin.source)
-    if source_cls.on_policy and plugin.epochs(a) * plugin.minibatches(a) > 1:
-        # The trainer's log-probs under the sampling weights, for the mismatch and truncated IS: after the first
-        # optimizer step the update's own forward no longer gives them.
-        needs = needs | {"old_logp"}
     controllers = build_controllers(cfg, train_rows, backend.rank, backend.world_size, tokenizer.pad_token_id)
     r, n = cfg.rollout, plugin.samples_per_prompt(a)
-    engine = Engine(cfg=cfg, backend=backend, model_path=model_path, plugin=plugin, needs=needs, tokenizer=tokenizer,
-                     judge=judge, policy=trained_policy, ref=ref, ref_is_base=ref_is_base, critic=critic,
-                     rollout=rollouts, controllers=controllers, test_rows=test_rows, parameters=parameters, roles=roles)
-    engine.episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids,  # for sources and eval
-                                   turns="step_reward" in needs and cfg.rewards.process == "turns")
-    episodes = engine.episodes
-    if separate:  # version 0, before a source samples through them: the workers loaded the start model's files, and
-        engine.sync_rollout()  # an adapter starts afresh
-    with backend.autocast():  # sources that sample a fixed set (RFT) do it here
-        source = source_cls.from_deps(Deps(
+    episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids,  # for sources and eval
+                            turns="step_reward" in needs and cfg.rewards.process == "turns")
+
+    def make_source(score_reference):
+        return source_cls.from_deps(Deps(
             tokenizer=tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=controllers.draws,
             micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a, samples_per_prompt=n, rollout=rollouts,
-            sampling=r, judge=judge,
-            score_reference=(lambda b: engine.reference_logp(b.to(backend.device))) if engine.has_reference else None,
-            model_path=model_path, cache_dir=cache_root(cfg), agree=lanes.agree if lanes else backend.agree,
-            rewards=cfg.rewards, needs=frozenset(needs), pass_rates=controllers.pass_rates,
-            temperature=controllers.temperature, elite=controllers.elite,
-            reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
+            sampling=r, judge=judge, score_reference=score_reference, model_path=model_path,
+            cache_dir=cache_root(cfg), agree=lanes.agree if lanes else backend.agree, rewards=cfg.rewards,
+            needs=needs, pass_rates=controllers.pass_rates, temperature=controllers.temperature,
+            elite=controllers.elite, reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None,
-            episodes=episodes))
-    engine.source = source
-    if separate and source_cls.on_policy:  # the online source's batches, made ahead; the others sampled at the start
-        engine.producer = Producer(source, controllers.draws, rollouts, cfg.rollout.max_staleness, t.steps,
-                                   backend.autocast, reference=ref_on_workers is not None)
-    engine.reference_on = "workers" if ref_on_workers else "trainer" if engine.has_reference else None
-    if source.scores_reference:
-        engine.ref, engine.ref_is_base = None, False  # the source holds the reference log-probs it needs
+            episodes=episodes, stages=plan.stages))
+
+    def make_producer(source):  # the online source's batches, made ahead; the others sampled at the start
+        return Producer(source, controllers.draws, rollouts, p.max_staleness, t.steps, backend.autocast,
+                        reference=ref_on_workers is not None)
+
+    engine = Engine(cfg=cfg, plan=plan, backend=backend, model_path=model_path, plugin=plugin, tokenizer=tokenizer,
+                    judge=judge, policy=trained_policy, ref=ref, ref_is_base=reference is not None and
+                    reference.where == "adapter_off", critic=critic, rollout=rollouts, controllers=controllers,
+                    test_rows=test_rows, parameters=parameters, roles=roles, episodes=episodes,
+                    make_source=make_source,
+                    make_producer=make_producer if p.placement == "separate" and source_cls.on_policy else None)
     rm = getattr(judge.reward_model, "model", None)
     for role, model in (("policy_weights", sampler), ("reference_weights", ref),
                         ("critic_weights", critic and critic.module), ("reward_model_weights", rm)):
@@ -155,25 +146,30 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend,
     return engine
 
 
-def start_workers(cfg: RunConfig, setup: rollout.Setup, dtype: str, reference: Path | None = None) -> WorkerPool:
-    """The rollout workers of `rollout.placement=separate`, each on its share of the cores (rollout.worker_threads),
-    the trainer keeping the rest (`worker_cores`); holding the reference model in `reference` when given."""
-    r = cfg.rollout
-    return WorkerPool(worker_spec(cfg, setup, dtype, reference), r.workers, cpus=worker_cores(r)[1], shared_rng=shared_rng(r),
-                      max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+def start_workers(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
+                  reference: Path | None = None) -> WorkerPool:
+    """The rollout workers of `rollout.placement=separate`, each on the cores the plan gives it (the trainer keeping
+    the rest); holding the reference model in `reference` when given."""
+    r, p = cfg.rollout, plan.rollout
+    return WorkerPool(worker_spec(cfg, plan, setup, dtype, reference), p.workers,
+                      cpus=[list(c) for c in p.worker_cpus] if p.worker_cpus is not None else None,
+                      shared_rng=p.shared_rng, max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
 
 
-def worker_spec(cfg: RunConfig, setup: rollout.Setup, dtype: str, reference: Path | None = None) -> WorkerSpec:
+def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
+                reference: Path | None = None) -> WorkerSpec:
     """What each rollout worker builds: the trainer's sampler, on its own copy of the starting policy; and the frozen
     reference model in `reference`, when given (rollout.reference_on=workers)."""
-    r = cfg.rollout
+    r, p = cfg.rollout, plan.rollout
+    scoring = plan.passes.worker_scoring
     return WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
-                      lora=cfg.model.lora if takes_adapter(cfg) else None, sampling=r, pad_id=setup.pad_id,
+                      lora=cfg.model.lora if p.weight_sync == "adapter" else None, sampling=r, pad_id=setup.pad_id,
                       stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs,
-                      threads=worker_cores(r)[0], timeout_s=r.worker_timeout_s,
+                      threads=p.worker_threads, timeout_s=r.worker_timeout_s,
                       attention=trainer_attention(setup.policy),
                       reference=str(reference) if reference is not None else None,
-                      reference_dtype=weights_dtype(setup.precision, trained=False), micro=cfg.train.micro_batch_size)
+                      reference_dtype=weights_dtype(setup.precision, trained=False),
+                      micro=scoring.rows if scoring is not None else cfg.train.micro_batch_size)
 
 
 def reference_dir(cfg: RunConfig, model_path: Path) -> Path:
@@ -187,17 +183,6 @@ def reference_dir(cfg: RunConfig, model_path: Path) -> Path:
         raise UserError(f"model.ref_path: '{path}' is not a model directory (no config.json)")
     check_files(path, "model.ref_path")
     return path
-
-
-def takes_adapter(cfg: RunConfig) -> bool:
-    """Under LoRA, hf workers hold the same adapted model and take the adapter alone."""
-    return bool(cfg.model.lora.r) and rollout.get(cfg.rollout.engine).colocated
-
-
-def shared_rng(r) -> bool:
-    """Whether the workers sample from the training processes' own generators: one worker at max_staleness 0, the
-    synchronous algorithm, which then samples the tokens the colocated engine would."""
-    return r.max_staleness == 0 and r.workers == 1
 
 
 def share_workers(cfg: RunConfig, backend: Backend, judge) -> Lanes:
@@ -223,21 +208,3 @@ def trainer_attention(policy) -> str | None:
     as long as eager attention where the CPU has AVX512-BF16 without AMX, though 20% less where it has AMX
     (docs/async.md)."""
     return getattr(getattr(policy, "config", None), "_attn_implementation", None)
-
-
-def worker_cores(r) -> tuple[int, list[list[int]] | None]:
-    """Each rollout worker's threads, and its cores (the last ones, where every worker and the trainer get their
-    own; else None: not pinned)."""
-    cpus = sorted(allowed_cpus())
-    threads = r.worker_threads or max(1, usable_cores() // (r.workers + 1))
-    if r.workers * threads >= len(cpus):
-        return threads, None
-    return threads, [cpus[len(cpus) - (i + 1) * threads : len(cpus) - i * threads] for i in range(r.workers)]
-
-
-def trainer_threads(cfg: RunConfig) -> int:
-    """train.threads as the run starts: under separate placement, unless pinned, the cores the workers leave."""
-    r = cfg.rollout
-    if cfg.train.threads or r.placement != "separate":
-        return cfg.train.threads
-    return max(1, usable_cores() - r.workers * worker_cores(r)[0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from posttrain.models.scoring import packs, token_logprobs, token_values
 from posttrain.schema import RunConfig
 from posttrain.stages.elite import fresh_mask
 from posttrain.train.evaluation import evaluate
+from posttrain.train.plan import RunPlan
 
 
 def mean_metrics(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -40,50 +42,67 @@ def mean_metrics(updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 
 class Engine:
-    """One run's parts, built once by `posttrain.train.build.build`, and `step`, which runs them: it constructs
-    nothing and writes no config. What changes from step to step lives in `controllers` (posttrain.train.controllers).
+    """One run's parts, built once by `posttrain.train.build.build` as the run's plan (posttrain/train/plan.py) says,
+    and `step`, which runs them: it constructs nothing and writes no config. No attribute is set from outside after
+    construction; what changes from step to step lives in `controllers` (posttrain.train.controllers) and in the
+    engine's own counters, which only its methods move.
 
     Args:
-        cfg: the validated config.
-        plugin, needs: the method's plugin and what the engine provides it ("ref_logp", "old_logp", "values", ...).
+        cfg: the validated config; plan: how the run is assembled.
+        plugin: the method's plugin.
         policy, critic: the trained models as the backend wraps them (critic None when not needed).
         ref, ref_is_base: the frozen reference model, or (LoRA) True to score the policy with its adapter off.
         rollout: the rollout engine; judge: rewards and verdicts; controllers: the run's changing state.
         test_rows: the held-out rows; parameters: trained and total parameter counts; roles: bytes by role.
+        episodes: with env.name, the Episodes the source and the evaluation sample with (sources/episodes.py).
+        make_source: the data source, given what scores the reference log-probs of a batch (None: nothing does);
+            made once the rollout engine holds the starting weights, since a source may sample as it is made (RFT).
+        make_producer: the thread that makes the source's batches ahead (rollout.placement=separate), or None.
     """
 
-    def __init__(self, *, cfg: RunConfig, backend: Backend, model_path: Path, plugin, needs: frozenset[str], tokenizer,
+    def __init__(self, *, cfg: RunConfig, plan: RunPlan, backend: Backend, model_path: Path, plugin, tokenizer,
                  judge, policy: Trained, ref, ref_is_base: bool, critic: Trained | None, rollout, controllers,
-                 test_rows: list[dict], parameters: dict, roles: RoleBytes, source=None):
-        self.cfg, self.backend, self.model_path, self.plugin, self.needs = cfg, backend, model_path, plugin, needs
+                 test_rows: list[dict], parameters: dict, roles: RoleBytes, episodes=None,
+                 make_source: Callable, make_producer: Callable | None = None):
+        self.cfg, self.plan, self.backend, self.model_path, self.plugin = cfg, plan, backend, model_path, plugin
+        self.needs = frozenset(plan.needs)
         self.tokenizer, self.judge, self.policy, self.critic, self.rollout = tokenizer, judge, policy, critic, rollout
-        self.ref, self.ref_is_base, self.controllers, self.source = ref, ref_is_base, controllers, source
+        self.ref, self.ref_is_base, self.controllers, self.episodes = ref, ref_is_base, controllers, episodes
         self.test_rows, self.parameters, self.roles, self.phases = test_rows, parameters, roles, PhasePeaks()
-        t, a = cfg.train, cfg.algorithm
-        # What reaches the rollout engine after each update: nothing when it samples from the trained module itself;
-        # the adapter alone to rollout workers that hold the same adapted model; else every weight, LoRA adapters
-        # merged in (cheaper than an adapter for vLLM to load from disk each step).
-        self.weight_sync = "none" if rollout.colocated else "adapter" if rollout.takes_adapter else \
-            "merged" if cfg.model.lora.r else "full"
+        t, a, r = cfg.train, cfg.algorithm, plan.rollout
+        self.weight_sync = r.weight_sync  # what reaches the rollout engine after each update (the plan's)
+        self.reference_on = plan.reference_on  # trainer, workers (the producer has them scored), or None
         self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
-        self.producer = None  # rollout.placement=separate: the thread that makes batches ahead (train/producer.py)
-        self.episodes = None  # env.name: the Episodes the source and the evaluation sample with (sources/episodes.py)
-        self.reference_on = None  # where the reference log-probs are scored: trainer, workers (the producer has them
-        # scored with each batch), or None (no reference); set by build
-        self.tis_cap, self.tis_mode = cfg.rollout.tis_cap, cfg.rollout.tis_mode
-        self.proximal = cfg.rollout.proximal
+        self.tis_cap, self.tis_mode, self.proximal = r.tis_cap, r.tis_mode, r.proximal  # the correction as resolved
+        self.elite_is_cap = r.elite_is_cap
         self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
-        self.micro = max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit)
-        self.micro_tokens = t.micro_batch_tokens  # None: micro-batches of self.micro rows
+        update = plan.passes.update
+        self.micro = update.rows
+        self.micro_tokens = update.tokens  # None: micro-batches of self.micro rows
         # train.packing where every model scored confines attention to each packed sequence; else padded (run notes)
-        self.packed = t.packing and packs_all(policy.module, ref, critic and critic.module)
+        self.packed = update.packing and packs_all(policy.module, ref, critic and critic.module)
         config = getattr(lora.hf_model(policy.module), "config", None)
         self.model_type = f"{getattr(config, 'model_type', '?')} ({getattr(config, '_attn_implementation', '?')})"
         self.algorithm = a  # the plugin's config of the step under way: the validated one, or with a scheduled β
         self.skipped, self.skipped_steps, self.skipped_in_a_row = False, 0, 0  # non-finite updates skipped
-        self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's)
+        self.steps_done = 0  # steps of the run so far (a resumed run starts from its checkpoint's: `resume_at`)
         self.mismatch = torch.zeros(3, device=backend.device)  # this step's Σ k3, tokens, max |Δ log π|
         self.elite_sums = torch.zeros(2, device=backend.device)  # this step's Σ elite weight, replayed tokens
+        if r.placement == "separate":  # version 0, before a source samples through them: the workers loaded the
+            self.sync_rollout()  # start model's files, and an adapter starts afresh
+        with backend.autocast():  # sources that sample a fixed set (RFT) do it here
+            self.source = make_source((lambda b: self.reference_logp(b.to(backend.device))) if self.has_reference
+                                      else None)
+        reference = plan.role("reference")
+        if reference is not None and reference.scored_once:
+            self.ref, self.ref_is_base = None, False  # the source holds the reference log-probs it needs
+        self.producer = make_producer(self.source) if make_producer is not None else None
+
+    def resume_at(self, step: int, skipped: tuple[int, int]) -> None:
+        """Counts `step` steps done and the skipped updates' counts (steps, in a row) as a checkpoint holds them:
+        first, since the rollout engine's policy version is the steps done."""
+        self.steps_done = step
+        self.skipped_steps, self.skipped_in_a_row = skipped
 
     def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor | None, Batch]]:
         """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
@@ -140,6 +159,7 @@ class Engine:
 
     @property
     def has_reference(self) -> bool:
+        """Whether the trainer scores the reference log-probs of each step's batch."""
         return self.ref is not None or self.ref_is_base
 
     def reference_logp(self, batch: Batch) -> torch.Tensor:
@@ -199,6 +219,7 @@ class Engine:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0) + v.detach() / real
         metrics["loss"], metrics["objective"] = loss_sum, objective_sum
+        metrics["micro_batches"] = torch.tensor(float(len(micro)))  # counted over the step (`step`), not averaged
         return metrics
 
     def empty_backward(self, mb: Batch, logp: torch.Tensor) -> None:
@@ -234,7 +255,7 @@ class Engine:
             weight, bounded = tis_weight(at_sampling, mb.rollout_logp, self.tis_cap, self.tis_mode, mb.mask)  # [b, R]
             m = {**m, "mismatch/tis_capped": (bounded.float() * fresh).sum() / fresh.sum().clamp(min=1)}
         if replayed is not None:  # the same truncated ratio, of π_old to μ (the replayed rows' rollout_logp)
-            elite, _ = tis_weight(at_sampling, mb.rollout_logp, self.cfg.rollout.elite_is_cap)  # [b, R]
+            elite, _ = tis_weight(at_sampling, mb.rollout_logp, self.elite_is_cap)  # [b, R]
             weight = torch.where(replayed[:, None] > 0, elite, weight)  # [b, R]
             on = mb.mask * replayed[:, None]  # [b, R] replayed tokens
             self.elite_sums += torch.stack([(elite * on).sum(), on.sum()]).detach()  # the step's, for elite/is_weight
@@ -331,7 +352,8 @@ class Engine:
                     skipped += self.skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         self.skipped_steps += bool(skipped)
-        stats.update(skipped_updates=float(skipped), skipped_steps=float(self.skipped_steps))
+        stats.update(skipped_updates=float(skipped), skipped_steps=float(self.skipped_steps), updates=float(len(updates)),
+                     micro_batches=float(sum(float(u.pop("micro_batches")) for u in updates)))
         t0 = time.perf_counter()
         self.rollout.restore()
         self.sync_rollout()

@@ -25,9 +25,10 @@ from posttrain.data.lengths import long_prompts
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
-from posttrain.train.build import build, trainer_threads
+from posttrain.train.build import build
 from posttrain.train.checkpoint import Checkpoints
 from posttrain.train.evaluation import Schedule
+from posttrain.train.plan import Machine, plan
 from posttrain.train.rundir import RunDir, write_json
 from posttrain.train.tracking import Tracker
 
@@ -52,10 +53,14 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
-    threads = ThreadFit(trainer_threads(cfg))  # before any model is built: torch's pool has the size it will use
+    run_plan = plan(cfg, Machine.here(cfg))  # how the run is assembled, decided once
+    threads = ThreadFit(run_plan.threads)  # before any model is built: torch's pool has the size it will use
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
+    if backend.world_size != run_plan.world_size:
+        raise RuntimeError(f"the backend runs {backend.world_size} processes, the plan was made for "
+                           f"{run_plan.world_size} (WORLD_SIZE)")
     checkpoint, skipped = checkpoints.find(cfg.resume, run_dir.path, cfg.overwrite)
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
@@ -66,12 +71,13 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                "threads": threads.threads}
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
-    engine = build(cfg, model_path, backend, splits)
+    engine = build(cfg, model_path, backend, splits, run_plan)
     try:
+        summary["plan"] = run_plan.to_dict()  # what `posttrain explain` prints for this config, on this machine
         summary["rollout_engine"] = engine.rollout.name  # the engine that really started
-        summary["weight_sync"] = engine.weight_sync  # none (colocated), full, merged (LoRA) or adapter (LoRA workers)
-        summary["placement"] = cfg.rollout.placement
-        summary["reference_on"] = engine.reference_on  # trainer, workers, or None where the method has no reference
+        summary["weight_sync"] = run_plan.rollout.weight_sync  # none (colocated), full, merged (LoRA) or adapter
+        summary["placement"] = run_plan.rollout.placement
+        summary["reference_on"] = run_plan.reference_on  # trainer, workers, or None where the method has none
         summary["packed"] = engine.packed  # train.packing as it runs (false where the model cannot confine attention)
         summary["parameters"] = engine.parameters  # trained and total: under LoRA, the adapters against the whole
         if cfg.model.lora.r:  # what model/, an adapter, needs to load: its base (README, "LoRA")
@@ -80,9 +86,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         start, elapsed = 0, 0.0  # steps done and seconds spent before this process started (a resumed run)
         if checkpoint is not None:
             start, elapsed = state["step"], state["wall_seconds"]
-            engine.steps_done = start  # first: the rollout engine's policy version is the steps done
+            engine.resume_at(start, tuple(state["skipped"]))  # first: the rollout engine's version is the steps done
             checkpoints.restore(checkpoint, engine)
-            engine.skipped_steps, engine.skipped_in_a_row = state["skipped"]
             summary.update(state["evaluations"], resumed_from={"checkpoint": str(checkpoint), "step": start})
         backend.barrier()
         out = (run_dir.reopen(resolved) if checkpoint is not None else run_dir.create(resolved)) if main \
