@@ -13,7 +13,7 @@ import socket
 import time
 
 import pytest
-from cli_helpers import assert_one_line_error, posttrain_here
+from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 
 from posttrain.environments import isolation, sandbox
 from posttrain.environments.python import Python
@@ -161,6 +161,16 @@ def test_without_the_jail_the_python_tool_is_refused_in_one_line_unless_opted_ou
             "<python>print(6 * 7)</python>", [], ended=False).text == "42"
     finally:
         isolation.missing.cache_clear()
+
+
+def test_a_run_without_the_jail_is_refused_before_the_warm_up(tmp_path):
+    """In the CLI, a process of its own whose PATH has no bwrap: one line, before the warm-up (the recipe's
+    model.path is null) or any directory is made."""
+    os.environ["PATH"] = str(tmp_path)  # (each test's changes to the environment end with it)
+    proc = posttrain("run", "recipe=grpo_tools", "env.name=python", f"output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_one_line_error(proc, "env.name=python", "bubblewrap (bwrap) is not installed", "env.sandbox=none")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
+    assert "step 1/" not in proc.stderr  # no warm-up ran
 
 
 def test_env_sandbox_is_checked():

@@ -95,6 +95,10 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
 
     RunDir(cfg.output_dir, cfg.overwrite, cfg.resume)
     splits, summary = run_splits(cfg), {}
+    if cfg.env.name is not None:  # an environment that cannot start (the Python tool without its jail, say) is
+        from posttrain import environments  # one line now, not after the warm-up
+
+        environments.check(environments.get(cfg.env.name), cfg.env)
     model_path = cfg.model.path
     if model_path is None:
         model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
