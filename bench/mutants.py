@@ -45,6 +45,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/models/scoring.py": ["tests/test_scoring.py", "tests/test_packing.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
          "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
          "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py", "tests/test_packing.py"],
+         "posttrain/core/micro.py": ["tests/test_packing.py"],
          "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"],
          "posttrain/backends/fsdp.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
          "posttrain/backends/zero.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
@@ -54,6 +55,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/core/threads.py": ["tests/test_threads.py"],
          "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
          "posttrain/train/plan.py": ["tests/test_plan.py", "tests/test_explain.py", "tests/test_async.py"],
+         "posttrain/rollout/workers.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
                                             "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
@@ -82,6 +84,7 @@ COMMON = "algorithms/common.py"  # helpers several methods share (group statisti
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
 TRAIN = "posttrain/train/engine.py"
+MICRO = "posttrain/core/micro.py"  # how every pass, the trainer's and the workers', cuts a batch
 REG = "posttrain/core/registry.py"  # the registry behind algorithms/base.py's `register` and `get`
 GMLP, LORA = "posttrain/models/gated_mlp.py", "posttrain/models/lora.py"
 FSDP, ZERO = "posttrain/backends/fsdp.py", "posttrain/backends/zero.py"
@@ -125,6 +128,11 @@ MUTANTS = [
     m("plan-weight-sync-full", PLAN, "_rollout", "LoRA workers are sent every weight instead of the adapter",
       'weight_sync = "none" if colocated else "adapter" if takes_adapter else "merged" if lora else "full"',
       'weight_sync = "none" if colocated else "merged" if lora else "full"'),
+    m("worker-scoring-ignores-budget", "posttrain/rollout/workers.py", "reference_logprobs",
+      "the workers' reference scoring ignores train.micro_batch_tokens",
+      "micro.split(batch.lengths(), 1, rows, tokens, packed)", "micro.split(batch.lengths(), 1, rows, None, packed)"),
+    m("worker-scoring-ignores-packing", "posttrain/rollout/workers.py", "reference_logprobs",
+      "the workers' reference scoring never packs", "packed = packing and packs(model)", "packed = False"),
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
     m("base-needs", A, "Algorithm.needs", "default needs asks for a reward",
       "        return frozenset()\n", '        return frozenset({"reward"})\n'),
@@ -447,11 +455,11 @@ MUTANTS = [
     m("pack-width-short", SCORE, "pack", "rows one token narrower than the longest sequence",
       "width = max(width or 0, *lengths)", "width = max(width or 0, *lengths) - 1"),
     # posttrain/train/engine.py: token budgets
-    m("budget-unit-split", TRAIN, "Engine.micro_batches", "a budget's micro-batches cut through units (DPO pairs)",
-      "(by_unit[g].flatten() for g in groups)", "(rows[g] for g in groups)"),
-    m("budget-ignored", TRAIN, "token_budget", "units added whatever the budget",
+    m("budget-unit-split", MICRO, "split", "a budget's micro-batches cut through units (DPO pairs)",
+      "[by_unit[g].flatten() for g in groups]", "[idx[g] for g in groups]"),
+    m("budget-ignored", MICRO, "token_budget", "units added whatever the budget",
       "if groups and (t if packed else r * w) <= budget:", "if groups:"),
-    m("budget-padded-as-packed", TRAIN, "token_budget", "padded micro-batches counted by real tokens",
+    m("budget-padded-as-packed", MICRO, "token_budget", "padded micro-batches counted by real tokens",
       "(t if packed else r * w) <= budget", "t <= budget"),
     # posttrain/models/scoring.py: the logits path, for models the head does not cover
     m("score-no-temperature", SCORE, "_token_logp", "temperature forgotten", "logits = logits / temperature",

@@ -217,6 +217,9 @@ def per_step(out, *keys):
     return [m[k] for m in metrics(out) for k in keys]
 
 
+PACKED = ["train.packing=true", "train.micro_batch_tokens=64"]  # every scoring pass packed, under a token budget
+
+
 @pytest.fixture(scope="module")
 def trainer_reference(warm_model_dir, tmp_path_factory):
     """The same run with the reference scored by the trainer: the figures the workers' scoring must give."""
@@ -225,6 +228,23 @@ def trainer_reference(warm_model_dir, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert summary(out)["reference_on"] == "trainer"
     return out
+
+
+def test_packed_budgeted_scoring_on_the_workers_is_the_trainers(warm_model_dir, tmp_path):
+    """train.packing and train.micro_batch_tokens hold for the workers' scoring too (one micro-batching, the
+    trainer's): a packed, budgeted run with the reference on the workers gives the trainer-scored run's KL and loss."""
+    runs = {}
+    for where in ("trainer", "workers"):
+        out = tmp_path / where
+        proc = run(warm_model_dir, out, *REFERENCE, *PACKED, f"rollout.reference_on={where}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        s = summary(out)
+        assert s["reference_on"] == where and s["packed"] and s["plan"]["passes"]["update"]["tokens"] == 64
+        runs[where] = per_step(out, "kl", "loss")
+    assert summary(tmp_path / "workers")["plan"]["passes"]["worker_scoring"] == {"rows": 3, "tokens": 64,
+                                                                                  "packing": True}
+    assert max(runs["trainer"][::2]) > 1e-5
+    assert runs["workers"] == pytest.approx(runs["trainer"], rel=1e-4, abs=1e-7)
 
 
 @pytest.mark.parametrize("fault", [None, "die_scoring:2"])
@@ -246,10 +266,14 @@ def test_the_workers_score_the_reference_as_the_trainer_would(warm_model_dir, tr
     assert per_step(out, "kl", "loss") == pytest.approx(want, rel=1e-4, abs=1e-7)
 
 
-def test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows(tiny_model_dir):
-    """Rows of different lengths, scored longest first in micro-batches of 2, each trimmed: every row's log-probs
-    are the whole batch's forward's, in its own row."""
+@pytest.mark.parametrize("cut", [dict(rows=2), dict(rows=2, tokens=13), dict(rows=2, tokens=13, packing=True)],
+                         ids=["rows", "token-budget", "packed-token-budget"])
+def test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows(tiny_model_dir, cut, monkeypatch):
+    """Rows of different lengths, scored longest first in micro-batches of 2 rows, or of at most 13 tokens (rows ×
+    the longest, or packed end to end), each trimmed: every row's log-probs are the whole batch's forward's, in its
+    own row."""
     from posttrain.core.batch import Batch
+    from posttrain.models import scoring
     from posttrain.models.loading import load
     from posttrain.models.scoring import token_logprobs
     from posttrain.rollout.workers import reference_logprobs
@@ -261,9 +285,24 @@ def test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows(tiny
     columns = torch.arange(9)
     attention = ((columns >= 4 - prompts[:, None]) & (columns < 4 + responses[:, None])).long()  # [5, 9]
     batch = Batch(ids, attention, attention[:, 4:].float(), 4)
-    got = reference_logprobs(model, batch, micro=2)
+    forwards = []  # the rows and width of each forward the worker runs
+
+    def counted(model, ids, attention, prompt_len, **kwargs):
+        forwards.append((len(ids), ids.shape[1], kwargs.get("packed", False)))
+        return token_logprobs(model, ids, attention, prompt_len, **kwargs)
+
+    monkeypatch.setattr(scoring, "token_logprobs", counted)
+    got = reference_logprobs(model, batch, **cut)
     want = token_logprobs(model, ids, attention, 4)
     assert torch.allclose(got * batch.mask, want * batch.mask, atol=1e-5)
+    # cut as the trainer cuts (one implementation), longest first: rows of 7, 6, 6, 5 and 5 tokens
+    assert sorted(attention.sum(-1).tolist()) == [5, 5, 6, 6, 7]
+    if "tokens" not in cut:  # 2 rows each
+        assert [rows for rows, _, _ in forwards] == [2, 2, 1]
+    elif not cut.get("packing"):  # rows × the longest row ≤ 13: 7 | 6 6 | 5 5
+        assert [rows for rows, _, _ in forwards] == [1, 2, 2] and not any(p for _, _, p in forwards)
+    else:  # real tokens ≤ 13, packed end to end: 7 + 6 | 6 + 5 | 5
+        assert [rows for rows, _, _ in forwards] == [2, 2, 1] and all(p for _, _, p in forwards)
 
 
 def test_ddp_processes_have_the_shared_workers_score_the_reference(warm_model_dir, tmp_path):

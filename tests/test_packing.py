@@ -11,11 +11,11 @@ from posttrain.backends.ddp import DDP
 from posttrain.core.aggregation import Totals
 from posttrain.core.batch import collate
 from posttrain.core.errors import ConfigError
+from posttrain.core.micro import token_budget
 from posttrain.models import scoring
 from posttrain.models.scoring import pack, packs, token_logprobs, token_values
 from posttrain.sources import run_splits
 from posttrain.train import build
-from posttrain.train.engine import token_budget
 
 # Each recipe at test size: few prompts, short completions, a nonzero KL weight where the method has one.
 SMALL = ["train.batch_size=4", "rollout.max_new_tokens=12", "data.train_size=64", "data.test_size=4",

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.core import micro
 from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
@@ -81,7 +82,10 @@ class WorkerSpec:
     attention: str | None = None  # the attention implementation to sample with (the trainer's); None: the model's own
     reference: str | None = None  # rollout.reference_on=workers: the reference model's directory; None: no reference
     reference_dtype: str = "float32"  # its frozen weights' dtype, as the trainer would hold them
-    micro: int = 256  # rows of one reference forward (train.micro_batch_size)
+    micro: int = 256  # rows of one reference forward (train.micro_batch_size), as the trainer's scoring passes cut
+    micro_tokens: int | None = None  # train.micro_batch_tokens: a token budget instead, where set
+    packing: bool = False  # train.packing: sequences packed end to end, where the reference model can confine
+    # attention to each (posttrain.models.scoring.packs)
 
 
 # -- the worker process -----------------------------------------------------------------------------------------------
@@ -170,19 +174,22 @@ def scoring_rows(batch: Batch) -> Batch:
 
 
 @torch.no_grad()
-def reference_logprobs(model: torch.nn.Module | None, batch: Batch, micro: int) -> torch.Tensor:
-    """log π_ref of `batch`'s response tokens ([B, R] float32), in micro-batches of `micro` rows, longest first, each
-    trimmed of its all-padding columns (as the trainer scores)."""
-    from posttrain.models.scoring import token_logprobs
+def reference_logprobs(model: torch.nn.Module | None, batch: Batch, rows: int, tokens: int | None = None,
+                       packing: bool = False) -> torch.Tensor:
+    """log π_ref of `batch`'s response tokens ([B, R] float32), cut into micro-batches as the trainer's scoring passes
+    are (posttrain.core.micro: `rows` rows, or a budget of `tokens` tokens; packed where `packing` asks and the model
+    can), each trimmed of its all-padding columns."""
+    from posttrain.models.scoring import packs, token_logprobs
 
     if model is None:
         raise RuntimeError("asked for reference log-probs, and this worker holds no reference model")
+    packed = packing and packs(model)
     out = torch.zeros(batch.mask.shape)  # [B, R]
-    order = torch.argsort(batch.lengths(), descending=True, stable=True)  # [B]
-    for rows in order.split(micro):
-        mb = batch.select(rows).trimmed()
-        part = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature)
-        out[rows, : part.shape[1]] = part.float()
+    for idx in micro.split(batch.lengths(), 1, rows, tokens, packed):  # single rows: an online source's
+        mb = batch.select(idx).trimmed()
+        part = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature,
+                              packed=packed)
+        out[idx, : part.shape[1]] = part.float()
     return out
 
 
@@ -253,7 +260,7 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
                 if kind == "score":
                     scored += 1
                     fault("die_scoring", scored, incarnation)
-                    replies.put(("scores", rid, reference_logprobs(reference, payload, spec.micro), idle))
+                    replies.put(("scores", rid, reference_logprobs(reference, payload, spec.micro, spec.micro_tokens, spec.packing), idle))
                 else:
                     prompts, n, sampling, min_version, rng = payload
                     version = staging.apply(min_version, spec.timeout_s)

@@ -169,7 +169,8 @@ def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
                       attention=trainer_attention(setup.policy),
                       reference=str(reference) if reference is not None else None,
                       reference_dtype=weights_dtype(setup.precision, trained=False),
-                      micro=scoring.rows if scoring is not None else cfg.train.micro_batch_size)
+                      **({"micro": scoring.rows, "micro_tokens": scoring.tokens, "packing": scoring.packing}
+                         if scoring is not None else {}))
 
 
 def reference_dir(cfg: RunConfig, model_path: Path) -> Path:

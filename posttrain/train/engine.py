@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from posttrain.backends import Backend, Trained
+from posttrain.core import micro
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
 from posttrain.core.errors import TrainingError
@@ -107,28 +108,23 @@ class Engine:
     def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor | None, Batch]]:
         """The batch in micro-batches of whole units, longest rows first so that rows of similar length go together,
         each trimmed of the columns that are padding in all its rows; with the rows of `batch` each one holds.
-        Micro-batches are `self.micro` rows, or under a token budget (`token_budget`) as many units as it fits; then,
+        Micro-batches are `self.micro` rows, or under a token budget (`micro.token_budget`) as many units as it fits; then,
         on several processes, every process runs as many as the one with most, the others padded with empty
         micro-batches (rows None: one row of `batch` whose mask is all zeros), so that sharded backends' gathers and
         reductions pair up.
 
         The loss is normalised by the whole step's counts, so neither the order nor the split changes the update.
         """
-        unit = self.plugin.unit
-        lengths = batch.lengths().view(-1, unit)  # [B / unit, unit]
-        order = torch.argsort(lengths.max(-1).values, descending=True, stable=True)  # [B / unit]
-        rows = (order[:, None] * unit + torch.arange(unit, device=order.device)).flatten()  # [B]
+        parts = micro.split(batch.lengths(), self.plugin.unit, self.micro, self.micro_tokens, self.packed)
+        out = [(idx, batch.select(idx).trimmed()) for idx in parts]
         if self.micro_tokens is None:
-            return [(idx, batch.select(idx).trimmed()) for idx in rows.split(self.micro)]
-        groups = token_budget(lengths[order.to(lengths.device)].tolist(), self.micro_tokens, self.packed)
-        by_unit = rows.view(-1, unit)  # [B / unit, unit] the rows of each unit, longest unit first
-        micro = [(idx, batch.select(idx).trimmed()) for idx in (by_unit[g].flatten() for g in groups)]
-        most = int(self.backend.reduce(torch.tensor(float(len(micro)), device=self.backend.device), "max"))
-        if most > len(micro):
-            empty = batch.select(rows[:1]).trimmed()
+            return out
+        most = int(self.backend.reduce(torch.tensor(float(len(out)), device=self.backend.device), "max"))
+        if most > len(out):
+            empty = batch.select(parts[0][:1]).trimmed()
             empty = dataclasses.replace(empty, mask=torch.zeros_like(empty.mask))
-            micro += [(None, empty)] * (most - len(micro))
-        return micro
+            out += [(None, empty)] * (most - len(out))
+        return out
 
     def _per_token(self, batch: Batch, fn) -> torch.Tensor:
         """`fn(micro-batch)` -> [b, R'] for every micro-batch, put back into the rows and columns of `batch`."""
@@ -443,29 +439,6 @@ class Engine:
                             batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
                             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p,
                             episodes=self.episodes)
-
-
-def token_budget(lengths: list[list[int]], budget: int, packed: bool) -> list[list[int]]:
-    """Which units (DPO's pairs; single rows otherwise) go into each micro-batch under a token budget: their indices
-    into `lengths`, which holds each unit's rows' real tokens, longest unit first.
-
-    Units go in order, so that sequences of similar lengths share a micro-batch, while it computes at most `budget`
-    tokens: its real tokens when packed, else rows × its longest row. A unit over the budget makes a micro-batch
-    alone. (Packed rows are as wide as the micro-batch's longest sequence, and attention over a mask costs the
-    square of a row's width whatever the mask keeps: mixing short sequences into long rows fills them but makes the
-    short ones pay for the long one's width, slower on CPU; bench/README.md has the figures.)
-    """
-    groups: list[list[int]] = []
-    tokens = rows = longest = 0
-    for i, unit in enumerate(lengths):
-        t, r, w = tokens + sum(unit), rows + len(unit), max(longest, *unit)
-        if groups and (t if packed else r * w) <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-            t, r, w = sum(unit), len(unit), max(unit)
-        tokens, rows, longest = t, r, w
-    return groups
 
 
 def packs_all(*models) -> bool:

@@ -201,8 +201,8 @@ def plan(cfg: RunConfig, machine: Machine = Machine()) -> RunPlan:
         k == "ref_logp" and ref is not None and (ref.scored_once or ref.where == "workers")))
     rows = MicroBatching(max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit), t.micro_batch_tokens,
                          t.packing)
-    # the workers score the reference in micro-batches of train.micro_batch_size rows, padded (rollout/workers.py)
-    worker = MicroBatching(t.micro_batch_size) if ref is not None and ref.where == "workers" else None
+    # the workers score the reference as the trainer scores (posttrain.core.micro, one implementation)
+    worker = rows if ref is not None and ref.where == "workers" else None
     e = cfg.eval
     evaluation = Evaluation(num_problems=e.num_problems, every=e.every, batch_size=e.batch_size,
                             max_new_tokens=e.max_new_tokens or r.max_new_tokens, k=e.k, n=e.n, stop_on=e.stop_on,
