@@ -217,11 +217,15 @@ def test_a_question_in_both_files_is_counted(tmp_path, tiny_model_dir, good):
     assert splits(tiny_model_dir, "grpo_math", f"data.path={good}", f"data.test_path={good}", "eval.num_problems=0")
 
 
-def test_a_held_out_tail_that_repeats_a_training_question(tmp_path, tiny_model_dir):
-    rows = write_rows(tmp_path / "rows.jsonl", [*ROWS, {"question": " 0 +  1 ", "answer": "#### 1"}])  # as row 1
-    with pytest.raises(DataError, match=re.escape(f"data.path: 1 of the 2 held-out questions evaluated ('{rows}' "
-                                                  "rows 8-9) is in its training rows (rows 1-7) too")):
-        splits(tiny_model_dir, "sft_math", f"data.path={rows}", "eval.num_problems=2")
+def test_a_held_out_tail_holds_out_whole_questions(tmp_path, tiny_model_dir):
+    """A file with several rows per question (several responses each, in order or shuffled): the tail posttrain
+    holds out keeps its questions whole, training leaves them out, rather than refusing a file the user cannot split
+    otherwise, or evaluating on questions it trained on."""
+    again = [{"question": " 0 +  1 ", "answer": "0 + 1 = 1, again\n#### 1"}, {**ROWS[3], "answer": "#### 4"}]
+    rows = write_rows(tmp_path / "rows.jsonl", [*ROWS, *again])  # the tail repeats rows 1 and 4 (spacing apart)
+    train, test = splits(tiny_model_dir, "sft_math", f"data.path={rows}", "eval.num_problems=2")
+    assert test == again and len(train) == 6
+    assert {r["question"] for r in train}.isdisjoint({" ".join(r["question"].split()) for r in test})
 
 
 def test_a_dataset_dict_whose_test_split_repeats_its_train_split(tmp_path, tiny_model_dir):

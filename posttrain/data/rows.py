@@ -156,6 +156,11 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
             raise DataError(f"data.path: '{cfg.path}' has {len(train)} rows, too few to hold out {num_test} "
                             f"for eval; set data.test_path or a smaller eval.num_problems")
         train, test = train[: len(train) - num_test], train[len(train) - num_test :]
+        # a file with several rows per question (several responses each, as augmented or rejection-sampled sets
+        # have) holds out whole questions: training keeps none of the held-out ones, so none is evaluated on a row it
+        # was trained on
+        held = {_question(row, cfg.prompt_field) for row in test[:num_test] if cfg.prompt_field in row}
+        train = [row for row in train if cfg.prompt_field not in row or _question(row, cfg.prompt_field) not in held]
     if cfg.path is not None:
         check_fields(train, fields, "data.path", cfg.path, answer if judged else None)
     if cfg.test_path is not None:
