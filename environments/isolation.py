@@ -6,9 +6,10 @@ a model's code is started by bubblewrap (`bwrap`, Debian's `bubblewrap`) in a ja
 
 - **its own namespaces**: mount, pid, network, IPC, UTS and cgroup. It sees no other process (the trainer included:
   it cannot signal what it cannot name), and has no network at all, only an unconfigured loopback;
-- **a read-only view of the system's software and nothing else**: `/usr` and the Python installation are bound
-  read-only, `/dev` holds the null, zero and random devices, and the one writable directory is the call's own fresh
-  directory (`/tool`). No `/etc`, `/home`, `/root`, `/proc`, `/tmp`, nor the run's or the user's files;
+- **a read-only view of the system's software and nothing else**: `/usr`, and the interpreter, its standard library
+  and its shared library where Python is installed elsewhere, are bound read-only; `/dev` holds the null, zero and
+  random devices, read-only; the one writable directory is the call's own (`/tool`), a 64 MiB tmpfs that is gone
+  with the call. No `/etc`, `/home`, `/root`, `/proc`, `/tmp`, nor the run's or the user's files;
 - **an unprivileged user**: as root, the code runs as `nobody` (uid 65534) with no capabilities (util-linux's
   `setpriv`); as anyone else, as that user inside a user namespace of its own;
 - **a seccomp filter** (x86-64 and aarch64): no new process or thread (`clone`, `fork`, `vfork`), no socket, no
@@ -33,7 +34,8 @@ import subprocess
 import sys
 
 NOBODY = 65534
-WORKDIR = "/tool"  # where the call's own directory appears inside the jail
+WORKDIR = "/tool"  # the call's own directory inside the jail: a tmpfs of its own, gone with the call
+WORKDIR_BYTES = 64 << 20  # its size: files written there are memory the address-space limit does not count
 
 # The syscalls the jail refuses, by architecture (numbers from the kernel's uapi headers: asm/unistd_64.h for
 # x86-64, asm-generic/unistd.h for aarch64), and the audit architecture a filter must check first: a process may
@@ -93,7 +95,8 @@ def python() -> str:
 
 def _binds() -> list[str]:
     """bwrap's arguments for the read-only view: /usr, the top-level links into it (or the directories, where /usr
-    is not merged), the Python installation wherever it lives, and minimal /dev."""
+    is not merged), and, for an interpreter installed elsewhere (pyenv, a prefix under a home directory), its
+    executable, its standard library and its shared library alone, not the directory around them."""
     args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = "/" + name
@@ -101,20 +104,29 @@ def _binds() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    roots = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(python()))}
-    bound = ["/usr"]
-    for root in sorted(roots):  # a parent sorts before its children
-        if root != "/" and not any((root + "/").startswith(b + "/") for b in bound):
-            args += ["--ro-bind", root, root]
-            bound.append(root)
+    import sysconfig
+
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
+            "installed_platbase": sys.base_exec_prefix}
+    paths = sysconfig.get_paths(vars=base)
+    needed = [python(), paths["stdlib"], paths["platstdlib"]]  # lib-dynload is in the latter
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        needed.append(os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME")
+                                   or ""))
+    bound: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in needed if p and os.path.exists(p)}):  # parents sort first
+        if not path.startswith("/usr/") and not any(path.startswith(b + "/") for b in bound):
+            args += ["--ro-bind", path, path]
+            bound.append(path)
     return args + ["--dev", "/dev"]
 
 
-def command(workdir: str, argv: list[str], seccomp_fd: int | None) -> list[str]:
-    """The command line that runs `argv` (starting with the interpreter, `python()`) in the jail, `workdir` writable
-    as WORKDIR and the current directory. As root the jail drops to `nobody` with setpriv; otherwise bwrap makes a
+def command(argv: list[str], seccomp_fd: int | None) -> list[str]:
+    """The command line that runs `argv` (starting with the interpreter, `python()`) in the jail, in its own writable
+    WORKDIR, the rest of its view read-only. As root the jail drops to `nobody` with setpriv; otherwise bwrap makes a
     user namespace for the calling user."""
-    jail = ["bwrap", *_binds(), "--bind", workdir, WORKDIR, "--chdir", WORKDIR,
+    jail = ["bwrap", *_binds(), "--perms", "1777", "--size", str(WORKDIR_BYTES), "--tmpfs", WORKDIR,
+            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR,
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LC_ALL", "C.UTF-8"]
@@ -127,10 +139,15 @@ def command(workdir: str, argv: list[str], seccomp_fd: int | None) -> list[str]:
     return jail + ["--unshare-user", "--cap-drop", "ALL", "--"] + argv
 
 
-def prepare(workdir: str) -> None:
-    """Makes the call's directory the jailed user's: as root, `nobody` owns it (else it could not write there)."""
-    if os.geteuid() == 0:
-        os.chown(workdir, NOBODY, NOBODY)
+def seccomp_pipe() -> tuple[int, ...]:
+    """The seccomp filter in a pipe bwrap reads (its `--seccomp FD`): (the read end,), or () where there is none."""
+    program = seccomp_filter()
+    if program is None:
+        return ()
+    read, write = os.pipe()
+    os.write(write, program)  # a few hundred bytes: far below a pipe's buffer
+    os.close(write)
+    return (read,)
 
 
 @functools.cache
@@ -142,15 +159,15 @@ def missing() -> str:
         return "bubblewrap (bwrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return "util-linux's setpriv is not installed (it drops root to nobody inside the jail)"
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir:
-        prepare(workdir)
-        try:
-            proc = subprocess.run(command(workdir, [python(), "-I", "-S", "-c", "print(6 * 7)"], None),
-                                  capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return f"bwrap could not start the jail ({error})"
+    fds = seccomp_pipe()  # the jail as each call sets it up, its seccomp filter included
+    try:
+        proc = subprocess.run(command([python(), "-I", "-S", "-c", "print(6 * 7)"], fds[0] if fds else None),
+                              capture_output=True, text=True, timeout=30, pass_fds=fds, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bwrap could not start the jail ({error})"
+    finally:
+        for fd in fds:
+            os.close(fd)
     if proc.returncode != 0 or proc.stdout.strip() != "42":
         said = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         return f"bwrap could not set up the jail here ({said})"

@@ -23,6 +23,7 @@ the exception's last line when the code raised, or why the run was stopped: alwa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -124,14 +125,15 @@ def run(code: str, *, timeout_s: float = 3.0, memory_mb: int = 256, max_output: 
         interpreter_checks: the interpreter's own layer; off only to test the jail against code that has beaten it.
     """
     require(isolation)
-    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir:
+    with contextlib.ExitStack() as stack:  # unjailed, the code's directory is a temporary one on the host
         argv = [jail.python() if isolation == "bwrap" else sys.executable, "-I", "-S", "-c", PRELUDE,
                 str(memory_mb << 20), str(int(timeout_s) + 1), ",".join(MODULES), "1" if interpreter_checks else "0"]
-        fds = ()
-        if isolation == "bwrap":
-            jail.prepare(workdir)
-            fds = _seccomp_pipe()
-            argv = jail.command(workdir, argv, fds[0] if fds else None)
+        fds, workdir = (), "/"
+        if isolation == "bwrap":  # its own tmpfs in the jail
+            fds = jail.seccomp_pipe()
+            argv = jail.command(argv, fds[0] if fds else None)
+        else:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="posttrain-sandbox-"))
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     cwd=workdir, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
@@ -163,17 +165,6 @@ def run(code: str, *, timeout_s: float = 3.0, memory_mb: int = 256, max_output: 
     if proc.returncode and not shown.strip():  # sys.exit(3), say
         shown = f"error: exit status {proc.returncode}"
     return Result(shown, proc.returncode == 0)
-
-
-def _seccomp_pipe() -> tuple[int, ...]:
-    """The seccomp filter in a pipe bwrap reads (its `--seccomp FD`): (the read end,), or () where there is none."""
-    program = jail.seccomp_filter()
-    if program is None:
-        return ()
-    read, write = os.pipe()
-    os.write(write, program)  # a few hundred bytes: far below a pipe's buffer
-    os.close(write)
-    return (read,)
 
 
 def _read(proc: subprocess.Popen, timeout_s: float, max_output: int) -> tuple[bytes, str]:

@@ -11,6 +11,7 @@ import os
 import secrets
 import socket
 import time
+from pathlib import Path
 
 import pytest
 from cli_helpers import assert_one_line_error, posttrain, posttrain_here
@@ -111,7 +112,7 @@ OS_ATTACKS = [
     ("a thread", "import _thread\n_thread.start_new_thread(print, (1,))", "can't start new thread"),
     ("the network", "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)", "PermissionError"),
     ("signal the trainer", "import os\nos.kill({pid}, 9)", "ProcessLookupError"),
-    ("signal everyone", "import os\nos.kill(-1, 9)\nprint('alive')", ""),
+    ("signal everyone", "import os\nos.kill(-1, 9)\nprint('alive')", "ProcessLookupError"),  # none to signal
     ("become root", "import os\nos.setuid(0)", "PermissionError"),
     ("namespaces, mounts, ptrace", """
 import ctypes, ctypes.util
@@ -140,6 +141,53 @@ def test_the_jail_holds_code_that_has_beaten_the_interpreter(host, attack, code,
             listener.accept()
     assert says in result.text, result.text
     assert token not in result.text and not (tmp / "pwned").exists()
+
+
+WRITES = """
+import os
+for p in ('/x', '/dev/x', '/dev/shm/x', '/usr/x', '/tool/x'):
+    try:
+        open(p, 'w').write('1')
+        print(p, 'written')
+    except OSError as e:
+        print(p, e.errno)
+try:
+    for i in range(100):
+        open(f'/tool/f{i}', 'wb').write(b'x' * (1 << 20))
+except OSError as e:
+    print('full at', i, 'MiB', e.errno)
+print(os.getuid())
+"""
+# what a jail must print: every path read-only (30, EROFS) but its own directory, which fills (28, ENOSPC) at 64 MiB
+JAILED = "/x 30\n/dev/x 30\n/dev/shm/x 30\n/usr/x 30\n/tool/x written\nfull at 64 MiB 28"
+
+
+def test_only_its_own_bounded_directory_is_writable():
+    result = sandbox.run(WRITES, timeout_s=5, interpreter_checks=False)
+    assert result.text.startswith(JAILED) and result.text.endswith("\n65534"), result.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+                    reason="needs root, to become another user, and a system Python that user can run")
+def test_the_jail_of_an_unprivileged_user():
+    """Run by a user other than root (here nobody, through setpriv), bwrap makes a user namespace: the same walls."""
+    import subprocess
+
+    import posttrain
+
+    package = Path(posttrain.__file__).resolve().parents[1]  # the directory that holds posttrain/
+    script = (f"import sys\nsys.path.insert(0, {str(package)!r})\n"
+              "from posttrain.environments import isolation, sandbox\n"
+              "print(isolation.describe())\n"
+              f"print(sandbox.run({WRITES!r}, timeout_s=5, interpreter_checks=False).text)\n"
+              "print(sandbox.run('import os\\nos.fork()', interpreter_checks=False).text)\n")
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c",
+                           script], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    if "No module named" in proc.stderr or "Permission denied" in proc.stderr:  # a checkout nobody may read
+        pytest.skip(f"nobody cannot import posttrain from here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr
+    assert "user namespace" in proc.stdout and JAILED in proc.stdout, proc.stdout
+    assert "PermissionError: [Errno 1] Operation not permitted" in proc.stdout
 
 
 def test_the_tool_still_computes_and_keeps_its_files_in_the_jail():
