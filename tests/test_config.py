@@ -141,9 +141,13 @@ def test_the_validated_config_is_read_only():
 def test_stale_samples_are_corrected_one_way_by_default(recipe, given, proximal, tis_cap):
     """At max_staleness ≥ 1 stale samples are never trained on as if fresh: a method with a clipped ratio takes it
     against the sampler's log-probs unless the truncated weight is asked for (tis_cap, tis_mode) or an elite pool needs
-    it; the others get the truncated weight, C = 2. Synchronous runs keep the trainer's π_old and no weight."""
+    it; the others get the truncated weight, C = 2. Synchronous runs keep the trainer's π_old and no weight. The run's
+    plan resolves it; the validated config keeps what was given."""
+    from posttrain.train.plan import plan
+
     stale = ["rollout.placement=separate", "rollout.max_staleness=1"]
-    r = config.load(recipe, [*stale, *given])[0].rollout
-    assert (r.proximal, r.tis_cap) == (proximal, tis_cap)
-    r = config.load(recipe)[0].rollout
+    cfg = config.load(recipe, [*stale, *given])[0]
+    assert (plan(cfg).rollout.proximal, plan(cfg).rollout.tis_cap) == (proximal, tis_cap)
+    assert cfg.rollout.tis_cap == (3.0 if "rollout.tis_cap=3" in given else None)  # as given: nothing written into it
+    r = plan(config.load(recipe)[0]).rollout
     assert (r.proximal, r.tis_cap) == ("trainer", None)
