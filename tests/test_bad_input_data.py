@@ -245,10 +245,21 @@ def test_a_token_budget_below_the_longest_sampled_sequence(tmp_path, tiny_model_
     proc = posttrain_here("run", "recipe=grpo_math", f"model.path={tiny_model_dir}", "train.micro_batch_tokens=4",
                           "algorithm.group_size=2", "rollout.max_new_tokens=6", *SHORT_RUN,
                           f"output_dir={tmp_path / 'o'}")
-    assert_one_line_error(proc, "train.micro_batch_tokens: 4 tokens are fewer than the longest sequence can take",
-                          "+ rollout.max_new_tokens=6)")
+    assert_one_line_error(proc, "train.micro_batch_tokens: 4 tokens are fewer than the longest sequence takes",
+                          "'s prompt,", "+ one sampled token)")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
+
+def test_a_token_budget_below_the_longest_possible_completion_is_a_setting(tmp_path, tiny_model_dir):
+    """Long generations that are mostly short: a budget that holds every prompt but not prompt + max_new_tokens is
+    accepted (a long completion runs alone), as a user of long reasoning traces would set it."""
+    from posttrain.data.lengths import check_token_budget
+
+    easy = ["data.difficulty=1", "data.train_size=150", "data.test_size=20"]
+    cfg, _ = config.load("grpo_math", [f"model.path={tiny_model_dir}", "train.micro_batch_tokens=40",
+                                       "rollout.max_new_tokens=64", *easy])
+    train = splits(tiny_model_dir, "grpo_math", *easy)[0]
+    check_token_budget(load_tokenizer(tiny_model_dir, "model.path"), train, cfg, given=False)  # no error
 
 def test_a_token_budget_below_the_longest_training_row(tmp_path, tiny_model_dir):
     """SFT's sequences are its rows: the longest (prompt + response tokens) is named."""
@@ -256,6 +267,6 @@ def test_a_token_budget_below_the_longest_training_row(tmp_path, tiny_model_dir)
     path = write_rows(tmp_path / "rows.jsonl", rows)
     proc = posttrain_here("run", "recipe=sft_math", f"model.path={tiny_model_dir}", f"data.path={path}",
                           "train.micro_batch_tokens=40", *SHORT_RUN, f"output_dir={tmp_path / 'o'}")
-    assert_one_line_error(proc, "train.micro_batch_tokens: 40 tokens are fewer than the longest sequence can take",
+    assert_one_line_error(proc, "train.micro_batch_tokens: 40 tokens are fewer than the longest sequence takes",
                           "(data.path row 9 is", "tokens, prompt and response)")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()

@@ -68,7 +68,9 @@ def longest_sequence(tokenizer, train: list[dict], cfg: RunConfig, given: bool) 
         train: the training rows.
         cfg: the run's config.
         given: the rows hold the responses trained on (SFT): a row's prompt and response tokens, as cut; else the
-            responses are sampled: the longest prompt, as cut, and a completion of rollout.max_new_tokens.
+            responses are sampled: the longest prompt, as cut, and one sampled token (a completion's length is not
+            known before it is sampled, and a long one over the budget runs alone: a budget below the longest
+            prompt + rollout.max_new_tokens is a fair setting for long generations that are mostly short).
 
     Past SAMPLE rows, an even sample and the rows with the longest questions are read (`_picked`).
     """
@@ -81,20 +83,19 @@ def longest_sequence(tokenizer, train: list[dict], cfg: RunConfig, given: bool) 
     where = _where(picked[at], len(train), cfg)
     if given:
         return lengths[at], f"{where} is {lengths[at]:,} tokens, prompt and response"
-    new = cfg.rollout.max_new_tokens
-    return lengths[at] + new, f"{where}'s prompt, {lengths[at]:,} tokens, + rollout.max_new_tokens={new}"
+    return lengths[at] + 1, f"{where}'s prompt, {lengths[at]:,} tokens, + one sampled token"
 
 
 def check_token_budget(tokenizer, train: list[dict], cfg: RunConfig, given: bool) -> None:
-    """Refuses a `train.micro_batch_tokens` below the longest training sequence (`longest_sequence`): each sequence
-    over the budget runs as a micro-batch of its own, and a budget below every one (4 tokens, meant as rows, say) ran
-    a 2-step run for over 5 minutes, one sequence at a time, saying nothing."""
+    """Refuses a `train.micro_batch_tokens` below the longest training sequence it can know of (`longest_sequence`):
+    each sequence over the budget runs as a micro-batch of its own, and a budget below every one (4 tokens, meant as
+    rows, say) ran a 2-step run for over 5 minutes, one sequence at a time, saying nothing."""
     budget = cfg.train.micro_batch_tokens
     if budget is None or not train:
         return
     longest, why = longest_sequence(tokenizer, train, cfg, given)
     if budget < longest:
-        raise ConfigError(f"train.micro_batch_tokens: {budget:,} tokens are fewer than the longest sequence can take, "
+        raise ConfigError(f"train.micro_batch_tokens: {budget:,} tokens are fewer than the longest sequence takes, "
                           f"{longest:,} ({why}), and each sequence over the budget runs as a micro-batch of its own; "
                           f"give at least {longest}, or null for micro-batches of train.micro_batch_size rows")
 
