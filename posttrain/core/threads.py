@@ -92,10 +92,11 @@ def env_threads() -> int | None:
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if not env:
         return None
-    if not env.isdigit() or int(env) < 1:
+    levels = [x.strip() for x in env.split(",")]  # OpenMP's list, one count per nesting level: the first is ours
+    if not all(x.isdigit() and int(x) >= 1 for x in levels):
         raise ConfigError(f"OMP_NUM_THREADS: {os.environ['OMP_NUM_THREADS']!r} in the environment is not a thread "
                           "count; set it to a whole number ≥ 1, or unset it to fit the threads to the machine")
-    return int(env)
+    return int(levels[0])
 
 
 def pinned(requested: int = 0) -> int | None:
@@ -105,11 +106,9 @@ def pinned(requested: int = 0) -> int | None:
     return env_threads()
 
 
-def _cores_here(cores: int, shared: bool = False) -> str:
-    """'the N cores this process may use', for a message; `shared`: a process's share of them under LOCAL_WORLD_SIZE."""
-    among = f" (its share of {machine_cores()} among the {_local_processes()} processes of this machine)" \
-        if shared and _local_processes() > 1 else ""
-    return f"the {cores} core{'s' if cores != 1 else ''} this process may use{among}"
+def _cores_here(cores: int) -> str:
+    """'the N cores this process may use', for a message."""
+    return f"the {cores} core{'s' if cores != 1 else ''} this process may use"
 
 
 def check_counts(threads: int, workers: int = 0, worker_threads: int = 0) -> None:
@@ -126,13 +125,14 @@ def check_counts(threads: int, workers: int = 0, worker_threads: int = 0) -> Non
     """
     env_threads()  # a value that is no count is refused even where train.threads wins: libgomp still reads it
     key = "train.threads" if threads > 0 else "OMP_NUM_THREADS"
-    wanted, per_process = pinned(threads), usable_cores()
-    if wanted is not None and wanted > per_process:
+    wanted, cores = pinned(threads), machine_cores()
+    # Against the cores this process may run on, not its share under LOCAL_WORLD_SIZE: a launcher that binds each
+    # process to cores of its own (srun --cpu-bind, numactl) has already made the share, and a refusal must not guess.
+    if wanted is not None and wanted > cores:
         fit = "0" if key == "train.threads" else "unset it"
-        raise ConfigError(f"{key}: {wanted} threads on {_cores_here(per_process, shared=True)} would each wait for "
-                          f"the others at every operation, slowing the run many times over; give at most "
-                          f"{per_process}, or {fit} to fit them to the machine")
-    cores = machine_cores()
+        raise ConfigError(f"{key}: {wanted} threads on {_cores_here(cores)} would each wait for the others at every "
+                          f"operation, slowing the run many times over; give at most {cores}, or {fit} to fit them to "
+                          "the machine")
     if workers > cores:
         raise ConfigError(f"rollout.workers: {workers} worker processes on {_cores_here(cores)} would each wait for "
                           f"the others at every operation; give at most {cores}")
