@@ -155,6 +155,11 @@ def test_stale_warmups_are_cleaned_but_not_one_being_written(tmp_path):
         assert live.is_dir() and finished.is_dir() and unknown.is_dir()
     assert warmup.clean_stale(tmp_path) == [live]  # its writer is gone
     assert finished.is_dir() and unknown.is_dir() and (users / "notes.txt").read_text() == "precious\n"
+    # a warm-up's from before run directories were marked: its config.yaml, without the first line, is a warm-up's
+    older = tmp_path / f"warmup-{'e' * 12}.partial"
+    (older / "checkpoints").mkdir(parents=True)
+    (older / "config.yaml").write_text(f"description: {warmup.DESCRIPTION}\noutput_dir: x\n")
+    assert warmup.clean_stale(tmp_path) == [older] and (users / "notes.txt").read_text() == "precious\n"
 
 
 def test_a_warmup_holds_its_lock_while_it_writes(tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ except ImportError:  # Windows: no flock; warm-ups are not locked there, and not
 
 VERSION = 1  # bump when the embedded model or task changes, so stale caches are not reused
 PARTIAL = re.compile(r"warmup-([0-9a-f]{12})\.partial")
+DESCRIPTION = "SFT warm-up of the embedded tiny model"  # its config.yaml says so (older_warmup reads it)
 
 
 def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
@@ -51,7 +52,7 @@ def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
                       difficulty=d.difficulty, max_operand=d.max_operand, train_size=d.train_size,
                       test_size=d.test_size, seed=d.seed)
     return RunConfig(
-        description="SFT warm-up of the embedded tiny model", output_dir=str(out_dir), overwrite=True, seed=0,
+        description=DESCRIPTION, output_dir=str(out_dir), overwrite=True, seed=0,
         model=ModelConfig(path=str(init_dir)), data=task, algorithm=SFTConfig(),
         train=TrainConfig(steps=w.steps, batch_size=w.batch_size, micro_batch_size=w.batch_size, lr=w.lr,
                           warmup_steps=w.steps // 10, loss_agg="token_mean", precision=w.precision),
@@ -137,7 +138,7 @@ def clean_stale(root: Path) -> list[Path]:
     """
     removed = []
     for partial in sorted(root.glob("warmup-*.partial")) if fcntl is not None and root.is_dir() else ():
-        if not (match := PARTIAL.fullmatch(partial.name)) or not removable(partial):
+        if not (match := PARTIAL.fullmatch(partial.name)) or not (removable(partial) or older_warmup(partial)):
             continue  # not a warm-up's run directory (`posttrain.train.rundir.removable`): not posttrain's to remove
         try:
             lock = _lock(root / f"warmup-{match[1]}.lock", wait=False)
@@ -149,6 +150,17 @@ def clean_stale(root: Path) -> list[Path]:
             shutil.rmtree(partial, ignore_errors=True)
         removed.append(partial)
     return removed
+
+
+def older_warmup(partial: Path) -> bool:
+    """Whether `partial`, in the cache, is a warm-up's run directory written before run directories were marked
+    (`posttrain.train.rundir.ours`): its config.yaml is a warm-up's. Left alone, it would stop every warm-up of its
+    key, whose own run directory may replace only what posttrain wrote."""
+    try:
+        text = (partial / "config.yaml").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return f"description: {DESCRIPTION}\n" in text
 
 
 def _lock(path: Path, wait: bool):
