@@ -50,6 +50,8 @@ DAMAGE = {
     "process state empty": (lambda step: (step / "process_0.pt").write_bytes(b""), "process_0.pt"),
     "run state cut short": (lambda step: cut(step / "trainer_state.json"), "trainer_state.json"),
     "run state emptied": (lambda step: (step / "trainer_state.json").write_text("{}"), "trainer_state.json"),
+    "manifest edited": (lambda step: (step / checkpoint.MANIFEST).write_text(
+        '{"files": {"../../elsewhere": {"bytes": "many"}}}'), checkpoint.MANIFEST),
 }
 
 

@@ -209,7 +209,10 @@ def damage(path: Path) -> str | None:
     if (path / MANIFEST).is_file():
         try:
             files = json.loads((path / MANIFEST).read_text())["files"]
-        except (ValueError, KeyError, TypeError):
+            if not all(isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(n, str)
+                       and not Path(n).is_absolute() and ".." not in Path(n).parts for n, e in files.items()):
+                raise TypeError("an entry is not a file's name in the checkpoint and its size")
+        except (ValueError, KeyError, TypeError, AttributeError):  # edited by hand, or cut short
             return f"{MANIFEST} cannot be read"
         for name, entry in files.items():
             f = path / name
@@ -226,6 +229,8 @@ def damage(path: Path) -> str | None:
         return f"{RUN_STATE} cannot be read ({type(err).__name__})"
     if not isinstance(run_state, dict) or (missing := [k for k in RUN_STATE_KEYS if k not in run_state]):
         return f"{RUN_STATE} lacks {', '.join(missing) if isinstance(run_state, dict) else 'its keys'}"
+    if not isinstance(run_state["world_size"], int) or run_state["world_size"] < 1:
+        return f"{RUN_STATE} has no process count (world_size {run_state['world_size']!r})"
     for rank in range(run_state["world_size"]):
         f = path / f"process_{rank}.pt"
         if not f.is_file() or not f.stat().st_size:
