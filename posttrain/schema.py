@@ -658,8 +658,8 @@ class EnvConfig(Freezable):
     """At every turn, check that the conversation so far, rendered (by the chat template, or plainly) and tokenised,
     is a prefix of the trajectory's ids; the first position where it is not stops the run with one line."""
     timeout_s: float = 5.0
-    """Wall-clock bound in seconds on each environment step, run in a bounded worker process; past it the model
-    sees an error as the environment's reply."""
+    """Wall-clock bound in seconds on each call into the environment (its creation and reset, each step), run in a
+    bounded worker process; past it the model sees an error as the environment's reply."""
     sandbox: str = "bwrap"
     """How the python tool isolates the model's code: bwrap (a bubblewrap jail: own namespaces, no network, a
     read-only view of the system, one writable directory, an unprivileged user, seccomp; the run is refused where it
