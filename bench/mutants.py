@@ -55,7 +55,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/core/threads.py": ["tests/test_threads.py"],
          "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
          "posttrain/train/plan.py": ["tests/test_plan.py", "tests/test_explain.py", "tests/test_async.py"],
-         "posttrain/rollout/workers.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows"],
+         "posttrain/rollout/workers/process.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
                                             "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
@@ -128,10 +128,10 @@ MUTANTS = [
     m("plan-weight-sync-full", PLAN, "_rollout", "LoRA workers are sent every weight instead of the adapter",
       'weight_sync = "none" if colocated else "adapter" if takes_adapter else "merged" if lora else "full"',
       'weight_sync = "none" if colocated else "merged" if lora else "full"'),
-    m("worker-scoring-ignores-budget", "posttrain/rollout/workers.py", "reference_logprobs",
+    m("worker-scoring-ignores-budget", "posttrain/rollout/workers/process.py", "reference_logprobs",
       "the workers' reference scoring ignores train.micro_batch_tokens",
       "micro.split(batch.lengths(), 1, rows, tokens, packed)", "micro.split(batch.lengths(), 1, rows, None, packed)"),
-    m("worker-scoring-ignores-packing", "posttrain/rollout/workers.py", "reference_logprobs",
+    m("worker-scoring-ignores-packing", "posttrain/rollout/workers/process.py", "reference_logprobs",
       "the workers' reference scoring never packs", "packed = packing and packs(model)", "packed = False"),
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
     m("base-needs", A, "Algorithm.needs", "default needs asks for a reward",

@@ -79,6 +79,41 @@ class RolloutEngine:
         raise NotImplementedError
 
 
+class Workers(RolloutEngine):
+    """What rollout workers apart from the trainer (`rollout.placement=separate`) add to the interface, and all that
+    callers may use of them beyond it: the pool on one process (posttrain.rollout.workers) and the pool several
+    training processes share (posttrain.rollout.shared) both implement it. Restarts, placement and weight staging
+    stay inside."""
+
+    def score_reference(self, batch: Batch) -> torch.Tensor:
+        """log π_ref of `batch`'s response tokens [B, R], scored by the workers' frozen reference
+        (rollout.reference_on=workers)."""
+        raise NotImplementedError
+
+    def take_idle(self) -> float:
+        """Seconds the workers waited for work since the last call (a step's `time/worker_idle`)."""
+        raise NotImplementedError
+
+    restarts: int = 0
+    """Workers restarted so far after dying."""
+
+    def report(self) -> dict:
+        """What the run records of the workers that really ran (summary.json's `rollout_workers`): their count,
+        process ids and attention, the sampling requests made, the restarts."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of them (their generators' streams), so that a resumed run samples the same."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stops the worker processes."""
+        raise NotImplementedError
+
+
 def counts(n: int | list[int], prompts: int) -> list[int]:
     """Completions per prompt: `n` for each of `prompts`, or the list n itself."""
     if isinstance(n, int):

@@ -107,10 +107,15 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
     else:  # the first process holds the workers; every process samples through them in collective calls
         pool = start_workers(cfg, plan, setup, dtype, ref_on_workers) if backend.rank == 0 else None
         backend.barrier()  # the others wait while the first starts them
-        rollouts = SharedPool(pool, lanes, shared_rng=p.shared_rng, name=cfg.rollout.engine,
+        rollouts = SharedPool(pool, lanes.main, shared_rng=p.shared_rng, name=cfg.rollout.engine,
                               takes_adapter=p.weight_sync == "adapter")
 
     source_cls = SOURCES.find(plugin.source)
+    ahead = p.placement == "separate" and source_cls.on_policy  # a producer thread makes the source's batches
+    # Shared workers: the source, and the producer that runs it, call on the producer thread's lane; everything else
+    # (evaluation, the samples RFT and DPO draw once at the start) on the main one.
+    lane = (lanes.producer if ahead else lanes.main) if lanes is not None else None
+    source_rollouts = rollouts.on(lane) if lane is not None else rollouts
     controllers = build_controllers(cfg, train_rows, backend.rank, backend.world_size, tokenizer.pad_token_id)
     r, n = cfg.rollout, plugin.samples_per_prompt(a)
     episodes = episodes_for(cfg.env, rollouts, tokenizer, cfg.data, setup.stop_ids,  # for sources and eval
@@ -119,17 +124,17 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
     def make_source(score_reference):
         return source_cls.from_deps(Deps(
             tokenizer=tokenizer, data=cfg.data, batch_size=t.batch_size, sampler=controllers.draws,
-            micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a, samples_per_prompt=n, rollout=rollouts,
-            sampling=r, judge=judge, score_reference=score_reference, model_path=model_path,
-            cache_dir=cache_root(cfg), agree=lanes.agree if lanes else backend.agree, rewards=cfg.rewards,
+            micro_batch_size=t.micro_batch_size, seed=cfg.seed, algorithm=a, samples_per_prompt=n,
+            rollout=source_rollouts, sampling=r, judge=judge, score_reference=score_reference, model_path=model_path,
+            cache_dir=cache_root(cfg), agree=lane.agree if lane else backend.agree, rewards=cfg.rewards,
             needs=needs, pass_rates=controllers.pass_rates, temperature=controllers.temperature,
-            elite=controllers.elite, reduce=lanes.reduce if lanes else lambda x, op: backend.reduce(x.to(backend.device), op),
+            elite=controllers.elite, reduce=lane.reduce if lane else lambda x, op: backend.reduce(x.to(backend.device), op),
             group_sizes=AdaptiveGroups(controllers.pass_rates, n, r.min_group_size, r.max_group_size,
                                        r.group_size_target) if r.adaptive_group_size else None,
             episodes=episodes, stages=plan.stages))
 
     def make_producer(source):  # the online source's batches, made ahead; the others sampled at the start
-        return Producer(source, controllers.draws, rollouts, p.max_staleness, t.steps, backend.autocast,
+        return Producer(source, controllers.draws, source_rollouts, p.max_staleness, t.steps, backend.autocast,
                         reference=ref_on_workers is not None)
 
     engine = Engine(cfg=cfg, plan=plan, backend=backend, model_path=model_path, plugin=plugin, tokenizer=tokenizer,
@@ -137,7 +142,7 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
                     reference.where == "adapter_off", critic=critic, rollout=rollouts, controllers=controllers,
                     test_rows=test_rows, parameters=parameters, roles=roles, episodes=episodes,
                     make_source=make_source,
-                    make_producer=make_producer if p.placement == "separate" and source_cls.on_policy else None)
+                    make_producer=make_producer if ahead else None)
     rm = getattr(judge.reward_model, "model", None)
     for role, model in (("policy_weights", sampler), ("reference_weights", ref),
                         ("critic_weights", critic and critic.module), ("reward_model_weights", rm)):

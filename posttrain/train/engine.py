@@ -30,6 +30,7 @@ from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
 from posttrain.models import lora
 from posttrain.models.scoring import packs, token_logprobs, token_values
+from posttrain.rollout.base import Workers
 from posttrain.schema import RunConfig
 from posttrain.stages.elite import fresh_mask
 from posttrain.train.evaluation import evaluate
@@ -411,9 +412,8 @@ class Engine:
         """Stops the producer and the rollout engine's processes, if any."""
         if self.producer is not None:
             self.producer.stop()
-        close = getattr(self.rollout, "close", None)
-        if close is not None:
-            close()
+        if isinstance(self.rollout, Workers):  # processes of their own
+            self.rollout.close()
         if self.producer is not None:
             self.producer.join()
 

@@ -22,6 +22,7 @@ from posttrain.core.errors import ConfigError, TrainingError
 from posttrain.core.heap import limit_malloc_arenas
 from posttrain.core.threads import ThreadFit
 from posttrain.data.lengths import long_prompts
+from posttrain.rollout.base import Workers
 from posttrain.schema import RunConfig
 from posttrain.sources import run_splits
 from posttrain.train import checkpoint as checkpoints
@@ -164,11 +165,8 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                 engine.load_training_state(saver.protected / checkpoints.TRAINING_STATE)
                 summary["eval_after"] = stopper.best_evaluation
         saver.final(engine)
-        if cfg.rollout.placement == "separate":  # the workers that really ran, and how often one was restarted
-            summary["rollout_workers"] = {"workers": len(engine.rollout.workers), "pids": engine.rollout.pids(),
-                                          "attention": engine.rollout.attentions(), "requests": engine.rollout.calls,
-                                          "restarts": engine.rollout.restarts,
-                                          "max_staleness": cfg.rollout.max_staleness}
+        if isinstance(engine.rollout, Workers):  # the workers that really ran, and how often one was restarted
+            summary["rollout_workers"] = {**engine.rollout.report(), "max_staleness": cfg.rollout.max_staleness}
         summary.update(steps=done, wall_seconds=elapsed + time.perf_counter() - t_start, **engine.phases.run_peak(),
                        memory={"roles_bytes": engine.roles.peak, **engine.phases.summary()},
                        output_dir=str(run_dir.final))

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator
 
 from posttrain.core.batch import Batch
-from posttrain.rollout.shared import PRODUCER_THREAD
 
 
 class Producer:
@@ -52,7 +51,7 @@ class Producer:
         """Step `step`'s batch, with its metrics and how long the trainer waited for it (`time/wait_batch`)."""
         if self.thread is None:
             self.made = max(self.made, step - 1)
-            self.thread = threading.Thread(target=self._run, daemon=True, name=PRODUCER_THREAD)
+            self.thread = threading.Thread(target=self._run, daemon=True, name="posttrain-producer")
             self.thread.start()
         t0 = time.perf_counter()
         with self.cond:

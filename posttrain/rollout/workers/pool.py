@@ -1,40 +1,11 @@
-"""Rollout workers: sampling in processes of their own, apart from the trainer (`rollout.placement=separate`).
-
-The training process starts each worker with torch.multiprocessing (spawn). A worker loads the starting policy
-itself and runs a registered rollout engine on it (hf, or vllm), on its own cores and threads. It takes:
-
-- sampling requests, from a queue: prompts, group sizes, sampling settings, the oldest policy version it may sample
-  with, and the random generator's state to sample from. It answers with the batch, the version that sampled it,
-  the generator's state after it, and how long it sat idle before the request;
-- scoring requests (`rollout.reference_on=workers`): a batch it sampled, made into training rows, whose log-probs
-  under the frozen reference model it holds beside its engine it answers with;
-- weights, on a receiver thread: numbered versions over a gloo process group of two (trainer and worker), in
-  buckets of at most `rollout.weight_bucket_mb`, into a staging copy. The worker swaps the newest staged version in
-  at the start of its next request, so a push never waits for a rollout to end and never changes weights mid-rollout.
-
-Why this machinery: torch.multiprocessing's queues carry tensors through shared memory, and a gloo group gives
-collective transfers with a time-out on every operation; both ship with torch, and the group is the same code that
-runs NCCL between GPUs. A worker that dies (its process gone) or hangs (a push or a request unanswered for
-`rollout.worker_timeout_s`) is killed and started again, takes the last pushed weights, and gets its request again
-with the same generator state, so it samples the same tokens; the log says so in a line and metrics.jsonl counts it
-(`rollout/worker_restarts`). After `rollout.max_worker_restarts` restarts of one worker the run stops with an error
-naming it. A worker whose training process has gone exits within a second.
-
-Ctrl-C sends SIGINT to every process of the terminal's process group, the workers too. They ignore it, from the moment
-they start (a worker starts with SIGINT blocked, and ignores it before unblocking it): the interrupt is the training
-process's, which says so in one line and stops its workers (`close`), with no traceback from them.
-
-Under LoRA with the hf engine, a worker holds the same adapted model and takes the adapter alone; vllm takes the
-merged weights (`weight_sync` in summary.json says which was sent).
-"""
+"""The trainer's side: the pool of worker processes as a rollout engine (`WorkerPool`), which starts, feeds, watches
+and restarts them and pushes each numbered weight version in bounded buckets."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
 import itertools
-import os
 import queue
 import signal
 import sys
@@ -43,256 +14,19 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from posttrain.core import micro
 from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
-from posttrain.core.launch import forget_launcher
-from posttrain.core.precision import MIXED
-from posttrain.rollout.base import RolloutEngine, Setup, counts, get
-
-POLL_S = 1.0  # how often a waiting side looks whether the other is still alive
-START_S = 300.0  # the least time a worker is given to start (import torch, load the model, start its engine)
-FAULT = "POSTTRAIN_WORKER_FAULT"  # fault injection for the tests: die:N, hang:N (the N-th request), die_scoring:N
-# (the N-th reference scoring request) or hang_weights:N (the N-th weight push), in a worker's first incarnation only
+from posttrain.rollout.base import Workers, counts, get
+from posttrain.rollout.workers.process import serve, unpack
+from posttrain.rollout.workers.spec import POLL_S, START_S, WorkerSpec, one_line, prefix, scoring_rows
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to build its engine: picklable, the same for every worker and incarnation."""
-
-    engine: str  # a registered rollout engine
-    model_path: str
-    dtype: str  # the trained policy's weight dtype: a worker samples from the same numbers
-    precision: str  # train.precision as it runs (autocast under the mixed ones)
-    lora: Any  # the LoraConfig when the worker takes adapters (hf engine under LoRA); None: whole weights
-    sampling: Any  # the rollout.* keys
-    pad_id: int
-    stop_ids: tuple[int, ...]
-    seed: int
-    max_seqs: int
-    threads: int
-    timeout_s: float
-    attention: str | None = None  # the attention implementation to sample with (the trainer's); None: the model's own
-    reference: str | None = None  # rollout.reference_on=workers: the reference model's directory; None: no reference
-    reference_dtype: str = "float32"  # its frozen weights' dtype, as the trainer would hold them
-    micro: int = 256  # rows of one reference forward (train.micro_batch_size), as the trainer's scoring passes cut
-    micro_tokens: int | None = None  # train.micro_batch_tokens: a token budget instead, where set
-    packing: bool = False  # train.packing: sequences packed end to end, where the reference model can confine
-    # attention to each (posttrain.models.scoring.packs)
-
-
-# -- the worker process -----------------------------------------------------------------------------------------------
-class Staging:
-    """The newest weights the receiver took (flat buckets), until the worker's loop swaps them into its engine."""
-
-    def __init__(self, engine: RolloutEngine):
-        self.engine, self.cond = engine, threading.Condition()
-        self.layout, self.buffers = None, []
-        self.staged, self.applied = -1, -1  # versions: in the buffers, in the engine
-
-    def receive(self, group, version: int, layout: list, timeout: datetime.timedelta) -> None:
-        with self.cond:
-            if layout != self.layout:
-                self.buffers = [torch.empty(numel, dtype=getattr(torch, dtype)) for dtype, numel, _ in layout]
-                self.layout = layout
-            for buf in self.buffers:
-                group.broadcast(buf, 0, timeout).wait()
-            self.staged = version
-            self.cond.notify_all()
-
-    def apply(self, min_version: int, timeout_s: float) -> int:
-        """Swaps in the newest staged weights (waiting for `min_version` to arrive); returns the version in use."""
-        with self.cond:
-            if not self.cond.wait_for(lambda: self.staged >= min_version, timeout_s):
-                raise TimeoutError(f"weights version {min_version} did not arrive within {timeout_s:g} s")
-            if self.staged > self.applied:
-                self.engine.load_weights(unpack(self.layout, self.buffers))
-                self.applied = self.staged
-            return self.applied
-
-
-def unpack(layout: list, buffers: list[torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
-    for (_, _, entries), buf in zip(layout, buffers):
-        for name, shape, offset, numel in entries:
-            yield name, buf[offset : offset + numel].view(shape)
-
-
-def fault(kind: str, count: int, incarnation: int) -> None:
-    """Fault injection ($POSTTRAIN_WORKER_FAULT=kind:count) for the worker-death and hang tests."""
-    if incarnation == 0 and os.environ.get(FAULT) == f"{kind}:{count}":
-        if kind.startswith("die"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang
-            time.sleep(3600)
-
-
-def start_engine(spec: WorkerSpec) -> tuple[RolloutEngine, str]:
-    """The worker's own engine, on its own copy of the starting policy (built as the trainer builds its sampler), and
-    the attention it samples with as the model reports it (an engine without a module: its name)."""
-    from posttrain.models import lora
-    from posttrain.models.gated_mlp import lean_gated_mlps
-    from posttrain.models.loading import load
-
-    policy = None
-    if get(spec.engine).colocated:  # an engine that samples from a module: this process's copy
-        policy, _ = load(spec.model_path, dtype=spec.dtype)
-        if spec.attention and hasattr(policy, "set_attn_implementation"):
-            policy.set_attn_implementation(spec.attention)
-        lean_gated_mlps(policy)
-        if spec.lora is not None:
-            policy = lora.hf_model(lora.apply(policy, spec.lora, spec.model_path))
-    engine = get(spec.engine).start(Setup(policy=policy, model_path=Path(spec.model_path), pad_id=spec.pad_id,
-                                          stop_ids=list(spec.stop_ids), sampling=spec.sampling,
-                                          precision=spec.precision, seed=spec.seed, max_seqs=spec.max_seqs))
-    config = getattr(lora.hf_model(policy), "config", None) if policy is not None else None
-    return engine, getattr(config, "_attn_implementation", None) or spec.engine
-
-
-def load_reference(spec: WorkerSpec) -> torch.nn.Module | None:
-    """The frozen reference model a worker scores with under rollout.reference_on=workers (None otherwise), with the
-    model's own attention (SDPA): it only runs forwards, where SDPA is the faster on CPU (bf16, long completions,
-    one thread: 0.68 s against eager's 1.1 s for 64 rows, AVX512-BF16 without AMX); the eager attention the trainer
-    gives its models under bf16 is for the update's backward."""
-    if spec.reference is None:
-        return None
-    from posttrain.models.loading import load
-
-    model, _ = load(spec.reference, dtype=spec.reference_dtype)
-    return model.eval().requires_grad_(False)
-
-
-def scoring_rows(batch: Batch) -> Batch:
-    """What reference scoring reads of a batch (ids, masks, P, τ), nothing more to send through a queue or a group."""
-    return Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len, temperature=batch.temperature)
-
-
-@torch.no_grad()
-def reference_logprobs(model: torch.nn.Module | None, batch: Batch, rows: int, tokens: int | None = None,
-                       packing: bool = False) -> torch.Tensor:
-    """log π_ref of `batch`'s response tokens ([B, R] float32), cut into micro-batches as the trainer's scoring passes
-    are (posttrain.core.micro: `rows` rows, or a budget of `tokens` tokens; packed where `packing` asks and the model
-    can), each trimmed of its all-padding columns."""
-    from posttrain.models.scoring import packs, token_logprobs
-
-    if model is None:
-        raise RuntimeError("asked for reference log-probs, and this worker holds no reference model")
-    packed = packing and packs(model)
-    out = torch.zeros(batch.mask.shape)  # [B, R]
-    for idx in micro.split(batch.lengths(), 1, rows, tokens, packed):  # single rows: an online source's
-        mb = batch.select(idx).trimmed()
-        part = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature,
-                              packed=packed)
-        out[idx, : part.shape[1]] = part.float()
-    return out
-
-
-GONE = object()  # next_message's answer when the training process has exited
-
-
-def next_message(messages, parent: int):
-    """The next item of a queue from the training process, or GONE once that process (`parent`) has exited."""
-    while True:
-        try:
-            return messages.get(timeout=POLL_S)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return GONE
-
-
-def receive(group, inbox, staging: Staging, parent: int, timeout: datetime.timedelta, incarnation: int) -> None:
-    """The receiver thread: takes each pushed version into the staging buffers."""
-    for pushes in itertools.count(1):
-        message = next_message(inbox, parent)
-        if message is GONE:
-            os._exit(0)
-        if message is None:
-            return
-        fault("hang_weights", pushes, incarnation)
-        try:
-            staging.receive(group, *message, timeout)
-        except Exception:  # the trainer gave up on this push and restarts this worker
-            os._exit(3)
-
-
-def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[int] | None, requests, inbox,
-          replies) -> None:
-    """A worker process's main: connect, build the engine, then answer sampling requests until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle (it stops this one)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by `_spawn` until now: a pending one drops
-    parent = os.getppid()
-    forget_launcher()  # an engine that reads torchrun's variables (vLLM) would take this worker for a training process
-    try:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(spec.threads)
-        replies.put(("hello", os.getpid()))
-        timeout = datetime.timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix(index, incarnation), store), 1, 2, timeout)
-        engine, attention = start_engine(spec)
-        reference = load_reference(spec)
-        staging = Staging(engine)
-        threading.Thread(target=receive, args=(group, inbox, staging, parent, timeout, incarnation),
-                         daemon=True, name="posttrain-weights").start()
-    except BaseException as err:  # noqa: BLE001 - reported to the trainer, which names this worker
-        replies.put(("error", None, one_line(err)))
-        return
-    replies.put(("ready", os.getpid(), attention))
-    mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
-    idle_since, scored = time.perf_counter(), 0
-    for served in itertools.count(1):
-        message = next_message(requests, parent)
-        if message is None or message is GONE:
-            leave(replies)
-        rid, kind, payload = message
-        idle = time.perf_counter() - idle_since
-        fault("die", served, incarnation)
-        fault("hang", served, incarnation)
-        try:
-            with torch.autocast("cpu", dtype=mixed) if mixed else contextlib.nullcontext():
-                if kind == "score":
-                    scored += 1
-                    fault("die_scoring", scored, incarnation)
-                    replies.put(("scores", rid, reference_logprobs(reference, payload, spec.micro, spec.micro_tokens, spec.packing), idle))
-                else:
-                    prompts, n, sampling, min_version, rng = payload
-                    version = staging.apply(min_version, spec.timeout_s)
-                    torch.set_rng_state(rng)
-                    batch = engine.generate(prompts, n, **sampling)
-                    replies.put(("batch", rid, batch, version, torch.get_rng_state(), idle))
-        except Exception as err:  # noqa: BLE001 - a sampling error is the run's, not the worker's
-            replies.put(("error", rid, one_line(err)))
-        idle_since = time.perf_counter()
-
-
-def leave(replies) -> None:
-    """Ends a worker told to stop, once its replies are sent, without the interpreter's finalization: the weights
-    thread may be waiting in a gloo collective, and destroying the group under it aborts the process with
-    "terminate called without an active exception" on the run's stderr, though nothing went wrong."""
-    replies.close()
-    replies.join_thread()  # what was put is in the pipe
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-def prefix(index: int, incarnation: int) -> str:
-    return f"posttrain/rollout/{index}.{incarnation}/"
-
-
-# -- the trainer's side -----------------------------------------------------------------------------------------------
 @dataclass
 class Worker:
     """One worker process and its channels, as the trainer holds them."""
@@ -351,7 +85,7 @@ class Layout:
         return cls([(d, n, entries) for d, n, entries in buckets])
 
 
-class WorkerPool(RolloutEngine):
+class WorkerPool(Workers):
     """The rollout engine a trainer sees under `rollout.placement=separate`: its calls go to the worker processes.
 
     `generate` splits the prompts between the workers and joins their batches (each row's `version` is the policy
@@ -601,6 +335,10 @@ class WorkerPool(RolloutEngine):
                 raise TrainingError(f"{w.who}: {message[2]}")
             if message[0] in ("batch", "scores") and message[1] == r.id:
                 return message[2:]
+
+    def report(self) -> dict:
+        return {"workers": len(self.workers), "pids": self.pids(), "attention": self.attentions(),
+                "requests": self.calls, "restarts": self.restarts}
 
     def pids(self) -> list[int]:
         """The live workers' process ids."""
