@@ -7,6 +7,7 @@ metrics.jsonl and the progress bar, the evaluation schedule, and the checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -54,14 +55,14 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
-    run_plan = plan(cfg, Machine.here(cfg))  # how the run is assembled, decided once
+    machine = Machine.here(cfg)
+    run_plan = plan(cfg, machine)  # how the run is assembled, decided once
     threads = ThreadFit(run_plan.threads)  # before any model is built: torch's pool has the size it will use
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
-    if backend.world_size != run_plan.world_size:
-        raise RuntimeError(f"the backend runs {backend.world_size} processes, the plan was made for "
-                           f"{run_plan.world_size} (WORLD_SIZE)")
+    if backend.world_size != run_plan.world_size:  # a launcher that does not set WORLD_SIZE: the processes it made
+        run_plan = plan(cfg, dataclasses.replace(machine, world_size=backend.world_size))
     checkpoint, skipped = checkpoints.find(cfg.resume, run_dir.path, cfg.overwrite)
     state = checkpoints.check(checkpoint, model_path, resolved, backend.world_size) if checkpoint else None
     main = backend.is_main
