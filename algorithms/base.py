@@ -147,10 +147,11 @@ def get(name: str) -> type[Algorithm]:
     imported now, named by its class and known to `plugin_of`, but not listed with the built-in methods). ConfigError
     naming algorithm.name for an unknown name, a file that is missing or fails to import, or a class that is no
     plugin."""
+    from posttrain.core.files import load_entry, names_a_file
+
     name = str(name)
-    if not (":" in name or "/" in name or name.endswith(".py")):  # a registered name; else a file's entry
+    if not names_a_file(name):
         return REGISTRY.find(name)
-    from posttrain.core.files import load_entry
 
     path, attr, plugin = load_entry(name, REGISTRY.key, PREFIX, FILE_ENTRY)
     if not (isinstance(plugin, type) and issubclass(plugin, Algorithm)):

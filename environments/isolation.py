@@ -93,7 +93,8 @@ def python() -> str:
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
 
 
-def _binds() -> list[str]:
+@functools.cache  # the same for every call of a process: the installation does not move
+def _binds() -> tuple[str, ...]:
     """bwrap's arguments for the read-only view: /usr, the top-level links into it (or the directories, where /usr
     is not merged), and, for an interpreter installed elsewhere (pyenv, a prefix under a home directory), its
     executable, its standard library and its shared library alone, not the directory around them."""
@@ -118,7 +119,7 @@ def _binds() -> list[str]:
         if not path.startswith("/usr/") and not any(path.startswith(b + "/") for b in bound):
             args += ["--ro-bind", path, path]
             bound.append(path)
-    return args + ["--dev", "/dev"]
+    return tuple(args + ["--dev", "/dev"])
 
 
 def command(argv: list[str], seccomp_fd: int | None) -> list[str]:

@@ -47,13 +47,13 @@ from posttrain.schema import RunConfig
 from posttrain.train.plan import Machine, RunPlan, launched_processes
 from posttrain.train.plan import plan as make_plan
 
-# What `train.batch_size` counts with each built-in source, and the source in words; a source registered later is
-# described by its name and counted in rows.
+# Each built-in source in words (what train.batch_size counts is the plan's); a source registered later is described
+# by its name.
 SOURCES = {
-    "online": ("prompts", "samples of the current policy, drawn and judged every step"),
-    "offline": ("rows", "fixed (prompt, response) rows"),
-    "samples_once": ("samples", "correct samples of the starting model, drawn once before step 1"),
-    "pairs": ("pairs", "fixed pairs of a preferred and a dispreferred response to one prompt"),
+    "online": "samples of the current policy, drawn and judged every step",
+    "offline": "fixed (prompt, response) rows",
+    "samples_once": "correct samples of the starting model, drawn once before step 1",
+    "pairs": "fixed pairs of a preferred and a dispreferred response to one prompt",
 }
 # train.precision as it runs -> (estimate's dtype, fp32 master weights): mixed precision keeps fp32 weights and AdamW
 # state, which is what estimate's bf16/fp16 weights plus an fp32 master copy add up to (16 bytes a parameter).
@@ -144,16 +144,6 @@ class Plan:
         return self.epochs * sum(map(len, self.micro_batch_rows))
 
 
-def chunks(total: int, size: int) -> list[int]:
-    """The sizes of `total` items cut in order into pieces of `size`, the last one smaller."""
-    return [size] * (total // size) + ([total % size] if total % size else [])
-
-
-def world_size() -> int:
-    """The number of processes a launcher starts (WORLD_SIZE, as torchrun and accelerate set it; default 1)."""
-    return launched_processes()
-
-
 def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
     """One step of the run `cfg` describes on `world` processes of this machine, as its plan
     (posttrain/train/plan.py) has it: this adds words and the memory estimate, and decides nothing."""
@@ -178,7 +168,7 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
         plan.notes.append(f"the learning-rate schedule is spread over {plan.scheduled_updates} optimizer steps "
                           f"(train.steps × μ × {parts} minibatches), but {plan.rows} rows make "
                           f"{len(plan.minibatch_rows)} minibatches, so the run takes {plan.updates}")
-    plan.memory, plan.memory_note = memory(cfg, plugin, plan.rows, run.world_size)
+    plan.memory, plan.memory_note = memory(cfg, plugin, run)
     return plan
 
 
@@ -349,21 +339,20 @@ def embedded_spec(cfg: RunConfig) -> estimate.ModelSpec:
                               head_dim=w.hidden // heads)
 
 
-def memory(cfg: RunConfig, plugin, rows: int, world: int) -> tuple[Memory | None, str]:
-    """`estimate`'s per-GPU figures for `cfg` on `world` processes, and what they assume; (None, why) when the
-    estimator cannot size this config (a model it does not know, a setting outside its range)."""
-    a, t, r = cfg.algorithm, cfg.train, cfg.rollout
+def memory(cfg: RunConfig, plugin, run: RunPlan) -> tuple[Memory | None, str]:
+    """`estimate`'s per-GPU figures for `cfg` as `run` plans it (its processes, precision and step), and what they
+    assume; (None, why) when the estimator cannot size this config (a model it does not know, a setting outside its
+    range)."""
+    a, t, r, rows = cfg.algorithm, cfg.train, cfg.rollout, run.shape.rows
     try:
         spec = estimate.model_spec(cfg.model.path) if cfg.model.path else embedded_spec(cfg)
-        settled, choice = config.settle_precision(cfg)
-        dtype, master = PRECISIONS[settled.train.precision]
+        dtype, master = PRECISIONS[run.precision]
         group, beta = plugin.samples_per_prompt(a), getattr(a, "beta", 0.0)
         per_item = estimate.method_profile(plugin.name, group, beta)[3]  # sequences per batch item, as it counts
-        from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
         est = estimate.estimate(
-            spec, plugin.name, gpus=world, backend=t.backend, offload=t.offload, lora=cfg.model.lora.r,
+            spec, plugin.name, gpus=run.world_size, backend=t.backend, offload=t.offload, lora=cfg.model.lora.r,
             batch=-(-rows // per_item), group=group, prompt_len=cfg.data.max_prompt_len,
-            response_len=cfg.data.max_response_len if from_file else r.max_new_tokens, grad_ckpt=False, dtype=dtype,
+            response_len=run.shape.response_tokens // rows, grad_ckpt=False, dtype=dtype,
             master_weights=master, reward_model=bool(cfg.reward_model.path), beta=beta, rollout=r.engine,
             gpu_memory_utilization=r.gpu_memory_utilization)
     except (UserError, KeyError) as err:
@@ -374,7 +363,7 @@ def memory(cfg: RunConfig, plugin, rows: int, world: int) -> tuple[Memory | None
     note = (f"as `posttrain estimate` counts: {rows} sequences of {cfg.data.max_prompt_len} + "
             f"{est.settings['response_len']} tokens in one forward (the micro-batches make the activations "
             "smaller), no gradient checkpointing, and the larger of the KV cache and the activations")
-    return Memory(shape, f"{settled.train.precision} ({choice.reason})", est.gpu_total, est.cpu_total, rows_), note
+    return Memory(shape, f"{run.precision} ({run.precision_reason})", est.gpu_total, est.cpu_total, rows_), note
 
 
 def as_dict(plan: Plan) -> dict:
@@ -427,7 +416,7 @@ def _wrap(text: str, indent: str = "  ", first: str | None = None) -> list[str]:
 def render(plan: Plan) -> str:
     """The plan in plain words, lines within WIDTH characters."""
     w, p = plan.world_size, plan
-    words = SOURCES.get(p.source, ("rows", f"the {p.source} source"))[1]
+    words = SOURCES.get(p.source, f"the {p.source} source")
     lines = _wrap(f"{'recipe ' + p.recipe + ': ' if p.recipe else ''}{p.method} on {_n(w, 'process')} "
                   f"(WORLD_SIZE={w}). Nothing was run: this is what each step of the run does.", "")
     lines += [""] + _wrap(f"Data: {words} (source {p.source}).", "")
@@ -505,6 +494,6 @@ def render(plan: Plan) -> str:
 def main(recipe: str, overrides: list[str], as_json: bool = False) -> int:
     """`posttrain explain recipe=NAME [key=value ...] [--json]`: print the plan, return 0; bad input: UserError."""
     cfg, _ = config.load(recipe, overrides)
-    plan = explain(cfg, recipe, world_size())
+    plan = explain(cfg, recipe, launched_processes())
     print(json.dumps(as_dict(plan), indent=2) if as_json else render(plan))
     return 0

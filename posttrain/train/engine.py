@@ -73,7 +73,6 @@ class Engine:
         self.test_rows, self.parameters, self.roles, self.phases = test_rows, parameters, roles, PhasePeaks()
         t, a, r = cfg.train, cfg.algorithm, plan.rollout
         self.weight_sync = r.weight_sync  # what reaches the rollout engine after each update (the plan's)
-        self.reference_on = plan.reference_on  # trainer, workers (the producer has them scored), or None
         self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
         self.tis_cap, self.tis_mode, self.proximal = r.tis_cap, r.tis_mode, r.proximal  # the correction as resolved
         self.elite_is_cap = r.elite_is_cap

@@ -55,11 +55,11 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
     model_path = model_path or cfg.model.path
     if model_path is None:
         raise ConfigError("model.path: null; give a model directory (`posttrain run` warms up the embedded one)")
-    machine = Machine.here(cfg)
-    run_plan = plan(cfg, machine)  # how the run is assembled, decided once
-    threads = ThreadFit(run_plan.threads)  # before any model is built: torch's pool has the size it will use
     requested = cfg.train.precision
     cfg, chose = settle_precision(cfg)  # `auto` resolved for this device; config.yaml keeps what was asked
+    machine = Machine.here(cfg, chose)
+    run_plan = plan(cfg, machine)  # how the run is assembled, decided once
+    threads = ThreadFit(run_plan.threads)  # before any model is built: torch's pool has the size it will use
     backend = backends.get(cfg.train.backend)(precision=cfg.train.precision, offload=cfg.train.offload)
     if backend.world_size != run_plan.world_size:  # a launcher that does not set WORLD_SIZE: the processes it made
         run_plan = plan(cfg, dataclasses.replace(machine, world_size=backend.world_size))

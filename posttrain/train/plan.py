@@ -30,13 +30,14 @@ class Machine:
     cpus: tuple[int, ...] = (0,)  # the CPUs it may run on, in order
 
     @classmethod
-    def here(cls, cfg: RunConfig) -> Machine:
+    def here(cls, cfg: RunConfig, choice=None) -> Machine:
         """This machine, for `cfg`: the processes a launcher started, its device's precision
-        (posttrain.core.precision) and its cores."""
+        (posttrain.core.precision; `choice`, where the caller has resolved it already) and its cores."""
         from posttrain.config import settle_precision
         from posttrain.core.threads import allowed_cpus, usable_cores
 
-        _, choice = settle_precision(cfg)
+        if choice is None:
+            _, choice = settle_precision(cfg)
         return cls(world_size=launched_processes(), precision=choice.precision, precision_reason=choice.reason,
                    cores=usable_cores(), cpus=tuple(sorted(allowed_cpus())))
 
