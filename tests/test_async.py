@@ -344,6 +344,11 @@ def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, 
     setup = rollout.Setup(policy=policy, model_path=tiny_model_dir, pad_id=tokenizer.pad_token_id, stop_ids=[0],
                           sampling=cfg.rollout, precision="bf16-mixed", seed=0, max_seqs=8)
     assert worker_spec(cfg, plan(cfg), setup, "float32").attention == "eager"
+    # and to score the reference as the trainer cuts its passes (the plan's), budget and packing included
+    cfg, _ = config.load("grpo_math", [f"model.path={tiny_model_dir}", *SEPARATE, "rollout.reference_on=workers",
+                                       "train.micro_batch_tokens=64", "train.packing=true", "train.micro_batch_size=3"])
+    spec = worker_spec(cfg, plan(cfg), setup, "float32", reference=tiny_model_dir)
+    assert (spec.micro, spec.micro_tokens, spec.packing) == (3, 64, True)
 
 
 def test_weights_travel_in_bounded_buckets():

@@ -68,8 +68,13 @@ def test_explain_prints_the_plan_the_run_records(case, tiny_model_dir, tmp_path)
     else:  # under a token budget the plan counts every row at its bounds: the most a step can take
         assert metrics["micro_batches"] <= shape["epochs"] * sum(map(len, shape["micro_batches"]))
     assert metrics.get("generated_tokens", 0) <= shape["sampled_tokens"][1]
-    assert summary["reference_on"] == (None if not any(r["role"] == "reference" for r in printed["roles"]) else
-                                       "workers" if "rollout.reference_on=workers" in overrides else "trainer")
+    # the models the run really held are the plan's roles, where the plan put them
+    roles, held = {r["role"]: r for r in printed["roles"]}, summary["memory"]["roles_bytes"]
+    ref = roles.get("reference")
+    assert ("reference_weights" in held) == (ref is not None and ref["where"] == "trainer")
+    assert ("critic_weights" in held) == ("critic" in roles)
+    if ref is not None and ref["where"] == "workers":
+        assert summary["rollout_workers"]["workers"] == printed["rollout"]["workers"] == 1
 
 
 def test_the_plan_is_pure_and_frozen():
