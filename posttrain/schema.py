@@ -7,6 +7,7 @@ Plain data that every layer may read; nothing here looks up a plugin or an engin
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field
@@ -235,8 +236,18 @@ class DataConfig(Freezable):
         return self.preset[len(GYM):].strip() if self.preset and self.preset.startswith(GYM) else None
 
 
+# `rollout` is one group of keys to a user (`rollout.temperature`, `rollout.placement`, `rollout.elite_pool`), made of
+# the parts below, each with its own keys and checks: how a completion is drawn, where sampling runs, how the trainer
+# corrects for a sampler that is not its current policy, and the keys of each online stage, beside the stage's name.
+# docs/config.md lists them part by part (RolloutConfig.PARTS); the rules between parts are RolloutConfig's.
+
+
 @dataclass
-class RolloutConfig(Freezable):
+class Sampling(Freezable):
+    """How each completion is drawn: the engine, its sampling settings and budget, and vLLM's memory."""
+
+    TITLE = "sampling"  # its heading in docs/config.md
+
     engine: str = "hf"
     """Sampling engine (`posttrain.rollout`): hf (the trainer's own model, a KV-cache decode loop) or vllm (a vLLM
     engine in the training process, weights pushed to it after every update; `pip install "posttrain[vllm]"`)."""
@@ -250,22 +261,6 @@ class RolloutConfig(Freezable):
     """hf: every this many tokens, the rows that have ended leave the decode loop's batch (their KV cache rows freed,
     their logits no longer computed); the tokens drawn are the same, and their log-probs too, to float rounding
     (bench/decode_rows.py measures it); 0: every row stays until the last one ends."""
-    tis_cap: float | None = None
-    """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
-    ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
-    2025), bounded by this cap C as `tis_mode` says; null: off, except where samples may be stale (placement=separate,
-    max_staleness ≥ 1) and `proximal` is trainer: there C = 2 (docs/async.md)."""
-    tis_mode: str = "token_truncate"
-    """How tis_cap bounds the ratio: token_truncate, min(ρ_t, C) per token; token_mask, ρ_t, or 0 where ρ_t > C;
-    sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
-    whole sequence where ρ > C (docs/unified_view.md)."""
-    proximal: str | None = None
-    """π_old of the clipped ratio of PPO, GRPO and GSPO: trainer, the trainer's log-probs under the weights at the
-    batch's start, with tis_cap's weight for the sampler's difference from them (the decoupled objective); sampler,
-    the log-probs the rollout engine reported, so that the ratio itself weights each token by π_θ / π_rollout and its
-    clip bounds how far an update moves a token from the policy that sampled it (PPO's own objective; no tis_cap).
-    null: sampler where samples may be stale (placement=separate, max_staleness ≥ 1) for a method with a clipped
-    ratio, unless tis_cap, tis_mode or elite_pool is given; else trainer. docs/async.md compares them on stale samples."""
     gpu_memory_utilization: float = 0.3
     """vllm: the share of the GPU's memory vLLM takes for its weights and KV cache (on CPU: see kv_cache_gb)."""
     kv_cache_gb: float | None = None
@@ -273,40 +268,36 @@ class RolloutConfig(Freezable):
     sequences at full length."""
     max_model_len: int | None = None
     """vllm: the longest prompt + completion it accepts; null: the model's max_position_embeddings."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling (arXiv:2503.14476): drop the groups whose rewards are all equal (no advantage to
-    learn from) and sample more prompts until the step has batch_size groups that differ, at most
-    max_sampling_rounds times; the extra rollouts are counted (sampling_rounds, dropped_groups)."""
-    max_sampling_rounds: int = 4
-    """dynamic_sampling: the most sampling rounds a step takes; if the rounds run out, equal-reward groups fill the
-    batch (they add nothing but the KL term) and filled_groups counts them."""
-    adaptive_temperature: bool = False
-    """Move the sampling temperature each step toward a target entropy of the sampled tokens, within
-    [min_temperature, max_temperature] (posttrain/core/schedules.py, adapted_temperature); `temperature` is the first
-    step's. Log-probs are scored at each step's own temperature; metrics.jsonl logs temperature and entropy."""
-    target_entropy: float | None = None
-    """adaptive_temperature: the target, nats per sampled token; null: the first step's."""
-    min_temperature: float = 0.5
-    """adaptive_temperature: the lowest temperature it sets."""
-    max_temperature: float = 2.0
-    """adaptive_temperature: the highest temperature it sets."""
-    adaptive_group_size: bool = False
-    """Per-difficulty G: each prompt's group size from its running pass rate, in [min_group_size, max_group_size],
-    the step's samples still batch_size × group_size (posttrain/data/difficulty.py); group methods."""
-    min_group_size: int = 4
-    """adaptive_group_size: the smallest G (an easy prompt's)."""
-    max_group_size: int = 8
-    """adaptive_group_size: the largest G (a hard prompt's)."""
-    group_size_target: float = 0.9
-    """adaptive_group_size: the chance, at the prompt's pass rate, that its group holds a correct sample."""
-    elite_pool: int = 0
-    """Elite replay (posttrain/sources/elite.py): keep the best completion sampled so far for up to this many prompts
-    (LRU), and when a prompt's group does worse than it, replace the group's lowest-reward sample by it; 0: off.
-    Fires only when a prompt is drawn again (from the second pass over the training rows); online methods with at
-    least 2 samples per prompt."""
-    elite_is_cap: float = 1.0
-    """C of a replayed token's off-policy weight min(π_old / μ, C) on GC, μ the older policy that drew the elite
-    (V-trace's ρ̄ truncation, arXiv:1802.01561): 1 never up-weights a token; biased, but bounded by C."""
+
+    def check_sampling(self):
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
+        if self.compact_every < 0:
+            raise ConfigError(f"compact_every: must be ≥ 0 (got {self.compact_every})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1] (got {self.gpu_memory_utilization})")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb: must be > 0 or null (got {self.kv_cache_gb})")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
+
+
+PLACEMENTS = ("colocated", "separate")  # rollout.placement
+REFERENCE_ON = ("trainer", "workers")  # rollout.reference_on
+
+
+@dataclass
+class Placement(Freezable):
+    """Where sampling runs (docs/async.md): in the training process, or in rollout worker processes (their number,
+    threads, time-outs and restarts, how far ahead they may sample, how weights reach them, who scores the
+    reference). Every key but `placement` applies to placement=separate."""
+
+    TITLE = "placement"  # its heading in docs/config.md
+
     placement: str = "colocated"
     """Where sampling runs (docs/async.md): colocated, in the training process, between updates; separate, in rollout
     worker processes with their own copy of the weights, pushed to them after every update, so that sampling the
@@ -340,74 +331,180 @@ class RolloutConfig(Freezable):
         """Samples may be older than the weights they train (separate placement, max_staleness ≥ 1)."""
         return self.placement == "separate" and self.max_staleness > 0
 
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p: must be in (0, 1] (got {self.top_p})")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens: must be ≥ 1 (got {self.max_new_tokens})")
+    def check_placement(self):
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement: unknown {self.placement!r}; known: {', '.join(PLACEMENTS)}")
+        for key, low in (("max_staleness", 0), ("workers", 1), ("worker_threads", 0), ("max_worker_restarts", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"{key}: must be ≥ {low} (got {getattr(self, key)})")
+        for key in ("worker_timeout_s", "weight_bucket_mb"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be > 0 (got {getattr(self, key)})")
+        if self.reference_on not in REFERENCE_ON:
+            raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
+        if self.placement == "colocated":
+            moved = [f.name for f in dataclasses.fields(Placement)
+                     if f.name != "placement" and getattr(self, f.name) != f.default]
+            if moved:
+                raise ConfigError(f"{moved[0]}: applies to rollout.placement=separate (got placement=colocated)")
+
+
+PROXIMAL = ("trainer", "sampler")  # rollout.proximal
+STALE_TIS_CAP = 2.0  # rollout.tis_cap where samples may be stale and none is given
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
+
+
+@dataclass
+class OffPolicyCorrection(Freezable):
+    """How the trainer corrects for samples its current weights did not draw: the rollout engine's own rounding, or
+    samples drawn by an older policy (placement=separate with max_staleness ≥ 1). The plan resolves the nulls
+    (posttrain/train/plan.py); `posttrain explain` prints what it chose."""
+
+    TITLE = "off-policy correction"  # its heading in docs/config.md
+
+    proximal: str | None = None
+    """π_old of the clipped ratio of PPO, GRPO and GSPO: trainer, the trainer's log-probs under the weights at the
+    batch's start, with tis_cap's weight for the sampler's difference from them (the decoupled objective); sampler,
+    the log-probs the rollout engine reported, so that the ratio itself weights each token by π_θ / π_rollout and its
+    clip bounds how far an update moves a token from the policy that sampled it (PPO's own objective; no tis_cap).
+    null: sampler where samples may be stale (placement=separate, max_staleness ≥ 1) for a method with a clipped
+    ratio, unless tis_cap, tis_mode or elite_pool is given; else trainer. docs/async.md compares them on stale samples."""
+    tis_cap: float | None = None
+    """Importance sampling against the rollout engine: each token's GC is multiplied by a weight from the ratio
+    ρ = π_trainer / π_rollout, π_rollout the probability the rollout engine reported for the token it drew (Yao et al.
+    2025), bounded by this cap C as `tis_mode` says; null: off, except where samples may be stale (placement=separate,
+    max_staleness ≥ 1) and `proximal` is trainer: there C = 2 (docs/async.md)."""
+    tis_mode: str = "token_truncate"
+    """How tis_cap bounds the ratio: token_truncate, min(ρ_t, C) per token; token_mask, ρ_t, or 0 where ρ_t > C;
+    sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
+    whole sequence where ρ > C (docs/unified_view.md)."""
+
+    def check_offpolicycorrection(self):
         if self.proximal is not None and self.proximal not in PROXIMAL:
             raise ConfigError(f"proximal: unknown {self.proximal!r}; known: {', '.join(PROXIMAL)}")
         if self.proximal == "sampler" and (self.tis_cap is not None or self.tis_mode != "token_truncate"):
             key = "tis_cap" if self.tis_cap is not None else "tis_mode"
             raise ConfigError(f"{key}: with proximal=sampler the clipped ratio already weights each token by "
                               f"π_θ / π_rollout; drop {key}, or use proximal=trainer")
-        if self.proximal == "sampler" and self.elite_pool:
-            raise ConfigError("proximal: sampler takes the ratio against each row's sampler, and an elite pool's "
-                              "replayed rows are weighted against theirs by elite_is_cap; use proximal=trainer")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"tis_cap: must be > 0 or null (got {self.tis_cap})")
         if self.tis_mode not in TIS_MODES:
             raise ConfigError(f"tis_mode: unknown {self.tis_mode!r}; known: {', '.join(TIS_MODES)}")
-        if self.tis_mode != "token_truncate" and self.tis_cap is None and not self.stale:  # else C = 2 (config.py)
-            raise ConfigError(f"tis_mode: {self.tis_mode} bounds the ratio by tis_cap, which is off (null); give "
-                              "rollout.tis_cap=C")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization: must be in (0, 1] (got {self.gpu_memory_utilization})")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ConfigError(f"kv_cache_gb: must be > 0 or null (got {self.kv_cache_gb})")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len: must be ≥ 2 or null (got {self.max_model_len})")
+
+
+@dataclass
+class DynamicSamplingKeys(Freezable):
+    """The dynamic sampling stage (posttrain/stages/dynamic_sampling.py)."""
+
+    TITLE = "stage: dynamic sampling"  # its heading in docs/config.md
+
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv:2503.14476): drop the groups whose rewards are all equal (no advantage to
+    learn from) and sample more prompts until the step has batch_size groups that differ, at most
+    max_sampling_rounds times; the extra rollouts are counted (sampling_rounds, dropped_groups)."""
+    max_sampling_rounds: int = 4
+    """dynamic_sampling: the most sampling rounds a step takes; if the rounds run out, equal-reward groups fill the
+    batch (they add nothing but the KL term) and filled_groups counts them."""
+
+    def check_dynamicsamplingkeys(self):
         if self.max_sampling_rounds < 1:
             raise ConfigError(f"max_sampling_rounds: must be ≥ 1 (got {self.max_sampling_rounds})")
-        if self.elite_pool < 0:
-            raise ConfigError(f"elite_pool: must be ≥ 0 (got {self.elite_pool})")
-        if self.elite_is_cap <= 0:
-            raise ConfigError(f"elite_is_cap: must be > 0 (got {self.elite_is_cap})")
+
+
+@dataclass
+class AdaptiveTemperatureKeys(Freezable):
+    """The adaptive temperature stage (posttrain/stages/temperature.py)."""
+
+    TITLE = "stage: adaptive temperature"  # its heading in docs/config.md
+
+    adaptive_temperature: bool = False
+    """Move the sampling temperature each step toward a target entropy of the sampled tokens, within
+    [min_temperature, max_temperature] (posttrain/core/schedules.py, adapted_temperature); `temperature` is the first
+    step's. Log-probs are scored at each step's own temperature; metrics.jsonl logs temperature and entropy."""
+    target_entropy: float | None = None
+    """adaptive_temperature: the target, nats per sampled token; null: the first step's."""
+    min_temperature: float = 0.5
+    """adaptive_temperature: the lowest temperature it sets."""
+    max_temperature: float = 2.0
+    """adaptive_temperature: the highest temperature it sets."""
+
+    def check_adaptivetemperaturekeys(self):
         if not 0 < self.min_temperature <= self.max_temperature:
             raise ConfigError(f"min_temperature: must be > 0 and ≤ max_temperature (got {self.min_temperature}, "
                               f"{self.max_temperature})")
         if self.target_entropy is not None and self.target_entropy <= 0:
             raise ConfigError(f"target_entropy: must be > 0 or null (got {self.target_entropy})")
+
+
+@dataclass
+class AdaptiveGroupSizeKeys(Freezable):
+    """Per-difficulty group sizes (posttrain/data/difficulty.py), fed by the pass-rate stage
+    (posttrain/stages/pass_rates.py)."""
+
+    TITLE = "stage: per-difficulty group size"  # its heading in docs/config.md
+
+    adaptive_group_size: bool = False
+    """Per-difficulty G: each prompt's group size from its running pass rate, in [min_group_size, max_group_size],
+    the step's samples still batch_size × group_size (posttrain/data/difficulty.py); group methods."""
+    min_group_size: int = 4
+    """adaptive_group_size: the smallest G (an easy prompt's)."""
+    max_group_size: int = 8
+    """adaptive_group_size: the largest G (a hard prompt's)."""
+    group_size_target: float = 0.9
+    """adaptive_group_size: the chance, at the prompt's pass rate, that its group holds a correct sample."""
+
+    def check_adaptivegroupsizekeys(self):
         if not 2 <= self.min_group_size <= self.max_group_size:
             raise ConfigError(f"min_group_size: must be ≥ 2 and ≤ max_group_size (got {self.min_group_size}, "
                               f"{self.max_group_size})")
         if not 0 < self.group_size_target < 1:
             raise ConfigError(f"group_size_target: must be in (0, 1) (got {self.group_size_target})")
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"placement: unknown {self.placement!r}; known: {', '.join(PLACEMENTS)}")
-        if self.max_staleness < 0:
-            raise ConfigError(f"max_staleness: must be ≥ 0 (got {self.max_staleness})")
-        if self.workers < 1:
-            raise ConfigError(f"workers: must be ≥ 1 (got {self.workers})")
-        if self.compact_every < 0:
-            raise ConfigError(f"compact_every: must be ≥ 0 (got {self.compact_every})")
-        if self.worker_threads < 0:
-            raise ConfigError(f"worker_threads: must be ≥ 0 (got {self.worker_threads})")
-        if self.worker_timeout_s <= 0:
-            raise ConfigError(f"worker_timeout_s: must be > 0 (got {self.worker_timeout_s})")
-        if self.max_worker_restarts < 0:
-            raise ConfigError(f"max_worker_restarts: must be ≥ 0 (got {self.max_worker_restarts})")
-        if self.weight_bucket_mb <= 0:
-            raise ConfigError(f"weight_bucket_mb: must be > 0 (got {self.weight_bucket_mb})")
-        if self.reference_on not in REFERENCE_ON:
-            raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
-        if self.placement == "colocated":
-            moved = [k for k in ("max_staleness", "workers", "worker_threads", "worker_timeout_s", "max_worker_restarts",
-                                 "weight_bucket_mb", "reference_on") if getattr(self, k) != getattr(RolloutConfig, k)]
-            if moved:
-                raise ConfigError(f"{moved[0]}: applies to rollout.placement=separate (got placement=colocated)")
+
+
+@dataclass
+class EliteReplayKeys(Freezable):
+    """The elite replay stage (posttrain/stages/elite.py)."""
+
+    TITLE = "stage: elite replay"  # its heading in docs/config.md
+
+    elite_pool: int = 0
+    """Elite replay (posttrain/sources/elite.py): keep the best completion sampled so far for up to this many prompts
+    (LRU), and when a prompt's group does worse than it, replace the group's lowest-reward sample by it; 0: off.
+    Fires only when a prompt is drawn again (from the second pass over the training rows); online methods with at
+    least 2 samples per prompt."""
+    elite_is_cap: float = 1.0
+    """C of a replayed token's off-policy weight min(π_old / μ, C) on GC, μ the older policy that drew the elite
+    (V-trace's ρ̄ truncation, arXiv:1802.01561): 1 never up-weights a token; biased, but bounded by C."""
+
+    def check_elitereplaykeys(self):
+        if self.elite_pool < 0:
+            raise ConfigError(f"elite_pool: must be ≥ 0 (got {self.elite_pool})")
+        if self.elite_is_cap <= 0:
+            raise ConfigError(f"elite_is_cap: must be > 0 (got {self.elite_is_cap})")
+
+
+@dataclass
+class RolloutConfig(EliteReplayKeys, AdaptiveGroupSizeKeys, AdaptiveTemperatureKeys, DynamicSamplingKeys,
+                    OffPolicyCorrection, Placement, Sampling):
+    """How the online methods get their samples, in parts: how a completion is drawn, where sampling runs, how the
+    trainer corrects for a sampler that is not its current policy, and the keys of each online stage. All are written
+    `rollout.KEY`."""
+
+    # dataclasses lay out the last base's fields first, so the keys run in PARTS' order
+
+    PARTS = (Sampling, Placement, OffPolicyCorrection, DynamicSamplingKeys, AdaptiveTemperatureKeys,
+             AdaptiveGroupSizeKeys, EliteReplayKeys)
+
+    def __post_init__(self):
+        for part in self.PARTS:
+            getattr(part, f"check_{part.__name__.lower()}")(self)
+        # the rules between parts
+        if self.proximal == "sampler" and self.elite_pool:
+            raise ConfigError("proximal: sampler takes the ratio against each row's sampler, and an elite pool's "
+                              "replayed rows are weighted against theirs by elite_is_cap; use proximal=trainer")
+        if self.tis_mode != "token_truncate" and self.tis_cap is None and not self.stale:  # else C = 2 (the plan)
+            raise ConfigError(f"tis_mode: {self.tis_mode} bounds the ratio by tis_cap, which is off (null); give "
+                              "rollout.tis_cap=C")
 
 
 OFFLOADS = ("none", "optimizer", "params")
@@ -588,11 +685,6 @@ class RewardModelConfig(Freezable):
     model (rewards/process_model.py); null: none."""
 
 
-PLACEMENTS = ("colocated", "separate")  # rollout.placement
-REFERENCE_ON = ("trainer", "workers")  # rollout.reference_on
-PROXIMAL = ("trainer", "sampler")  # rollout.proximal
-STALE_TIS_CAP = 2.0  # rollout.tis_cap where samples may be stale and none is given
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # rollout.tis_mode
 PROCESS_REWARDS = ("none", "steps", "model", "turns")  # rewards.process: where step rewards come from
 REWARD_NORMS = ("none", "group", "batch")  # rewards.normalize: over which samples each objective is z-scored
 

@@ -134,3 +134,26 @@ def test_every_logged_metric_is_declared(run, tiny_model_dir, tmp_path):
     assert not missing, (f"metrics.jsonl keys with no declaration: {missing}; declare each in "
                          f"posttrain/train/metrics.py (or, for a method's own, in its module docstring's Metrics:), "
                          f"then run: {reference.METRICS_COMMAND}")
+
+
+def test_rollout_keys_are_read_part_by_part():
+    """`rollout` is made of parts (sampling, placement, off-policy correction, one per online stage): every key is
+    in exactly one, the page lists each part under its own heading, and each stage switched on by a rollout key
+    finds its keys in a part that names the stage's file."""
+    import sys
+
+    from posttrain.schema import RolloutConfig
+    from posttrain.stages import STAGES
+
+    owned = [f.name for part in RolloutConfig.PARTS for f in dataclasses.fields(part)]
+    assert sorted(owned) == sorted(f.name for f in dataclasses.fields(RolloutConfig))
+    assert len(owned) == len(set(owned))
+    page = reference.config_page()
+    for part in RolloutConfig.PARTS:
+        assert f"### `rollout`: {part.TITLE}\n" in page
+    for stage in STAGES:
+        key = stage.key.split(" | ")[0]
+        if key.startswith("rollout."):
+            part = next(p for p in RolloutConfig.PARTS if key[len("rollout."):] in {f.name for f in dataclasses.fields(p)})
+            path = sys.modules[stage.__module__].__file__.split("posttrain/", 1)[1]
+            assert f"posttrain/{path}" in part.__doc__, (stage.__name__, part.__name__)

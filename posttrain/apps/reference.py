@@ -106,7 +106,14 @@ def group_section(name: str, cls: type, doc: str, level: int = 2) -> list[str]:
     rows, groups = key_rows(cls, f"{name}.")
     intro = [_cell(text) for text in (doc, inspect.cleandoc(cls.__doc__ or "")) if text and not
              text.startswith(f"{cls.__name__}(")]  # a dataclass without a docstring gets its signature as one
-    out = [f"{'#' * level} `{name}`", "", *(line for text in intro for line in (text, "")), *TABLE, *rows, ""]
+    out = [f"{'#' * level} `{name}`", "", *(line for text in intro for line in (text, ""))]
+    parts = getattr(cls, "PARTS", ())  # a group made of parts (rollout): a table each, in their order
+    for part in parts:
+        part_rows, _ = key_rows(part, f"{name}.")
+        out += [f"{'#' * (level + 1)} `{name}`: {part.TITLE}", "", _cell(inspect.cleandoc(part.__doc__ or "")), "",
+                *TABLE, *part_rows, ""]
+    if not parts:
+        out += [*TABLE, *rows, ""]
     for sub, sub_cls, sub_doc in groups:
         out += group_section(sub, sub_cls, sub_doc, level + 1)
     return out
