@@ -66,12 +66,25 @@ def check_precision(value: str) -> None:
 
 @dataclass
 class WarmupConfig(Freezable):
-    steps: int = 250
-    """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy."""
+    steps: int = 600
+    """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy: enough for it to
+    converge on its teacher (`teacher_accuracy`), the learning rate decaying to 0 along a cosine after a linear
+    warm-up of a tenth of them, so that where it ends depends on the data and the seed, not on the last bits of the
+    arithmetic (threads, precision, CPU class)."""
     batch_size: int = 64
     """Problems per warm-up step."""
     lr: float = 3e-3
-    """Warm-up learning rate."""
+    """Warm-up peak learning rate."""
+    teacher_accuracy: float = 0.3
+    """Arithmetic task: how often the worked solutions the warm-up imitates get a step right whose result is not one
+    digit (a carry past 9, or below 0); the other times the step slips (the carry or the minus sign dropped) and the
+    work goes on from the slip. The warmed-up model slips on those steps when greedy and is right about this often
+    when sampling, which RL with a rule reward learns from (docs/embedded.md); 1: a teacher that never slips.
+    Other tasks: their rows as they are."""
+    demonstrations: int = 16
+    """Arithmetic task with teacher_accuracy < 1: worked solutions per training question, each the teacher's afresh;
+    enough that a warm-up sees few rows twice, so the model learns how often the teacher is right on each step rather
+    than the draws of one question (16 × 3,000 rows against 600 steps × 64)."""
     hidden: int = 128
     """Width of the embedded tiny model."""
     layers: int = 4
@@ -84,6 +97,13 @@ class WarmupConfig(Freezable):
 
     def __post_init__(self):
         check_precision(self.precision)
+        for key in ("steps", "batch_size", "hidden", "layers", "demonstrations"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be ≥ 1 (got {getattr(self, key)})")
+        if not 0 <= self.teacher_accuracy <= 1:
+            raise ConfigError(f"teacher_accuracy: must be in [0, 1] (got {self.teacher_accuracy})")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0 (got {self.lr})")
 
 
 # The layouts `data.preset` names: the fields that hold the question, target response and reference answer, how
@@ -795,7 +815,9 @@ class RunConfig(Freezable):
     (`<output_dir>/tensorboard`), wandb (`<output_dir>/wandb`; WANDB_MODE=offline works without a network) or trackio
     (its local database), or several comma-separated, e.g. tensorboard,wandb; `pip install 'posttrain[tracking]'`."""
     seed: int = 0
-    """Seed of the model init, sampling and data order; runs with the same seed repeat exactly on CPU."""
+    """Seed of the model init, sampling and data order, and of the embedded model's warm-up (another seed, another
+    warm-up); runs with the same seed repeat exactly on one CPU when they run on the same threads (pin train.threads
+    where a busy machine could change the fitted count)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     data: DataConfig = field(default_factory=DataConfig)

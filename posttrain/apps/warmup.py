@@ -2,7 +2,14 @@
 
 RL needs a policy that sometimes succeeds. With no model given, posttrain builds the tiny Llama of
 `posttrain.models.embedded`, trains it with SFT on the embedded task for `warmup.steps` steps, and keeps the result under
-the cache directory, keyed by everything that shapes it; every recipe then starts from the same weights.
+the cache directory, keyed by everything that shapes it (the run's `seed` among them: another seed, another warm-up);
+every recipe with that seed then starts from the same weights.
+
+On the arithmetic task the warm-up imitates a teacher that slips on the steps whose result is not one digit
+(`posttrain.data.embedded.taught`), and it trains until it has converged on that teacher, its learning rate decaying to
+0: the warmed-up model is weak because of what it was taught, not because it was stopped part way, so its held-out
+accuracy is the same whatever threads, precision or CPU class computed it (docs/embedded.md has the figures), and the
+comparisons of methods that start from it measure the methods rather than the rounding.
 
 A warm-up writes `warmup-<key>.partial` and holds an exclusive lock on `warmup-<key>.lock` while it does (`flock`):
 a second process with the same key waits for it and then finds the model cached, and a `.partial` whose lock nobody
@@ -28,8 +35,10 @@ from posttrain.config import run_device
 from posttrain.core import precision
 from posttrain.core.errors import ConfigError, TrainingError, UserError
 from posttrain.core.launch import forget_launcher, launched
+from posttrain.data.embedded import taught
 from posttrain.models.embedded import build_model_dir
-from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, cache_root
+from posttrain.schema import DataConfig, EvalConfig, ModelConfig, RunConfig, TrainConfig, WarmupConfig, cache_root
+from posttrain.sources import run_splits
 from posttrain.train import run
 from posttrain.train.rundir import removable
 
@@ -38,24 +47,25 @@ try:
 except ImportError:  # Windows: no flock; warm-ups are not locked there, and nothing is cleaned
     fcntl = None
 
-VERSION = 1  # bump when the embedded model or task changes, so stale caches are not reused
+VERSION = 2  # bump when the embedded model or task changes, so stale caches are not reused
 PARTIAL = re.compile(r"warmup-([0-9a-f]{12})\.partial")
 DESCRIPTION = "SFT warm-up of the embedded tiny model"  # its config.yaml says so (older_warmup reads it)
 
 
 def warmup_config(cfg: RunConfig, init_dir: Path, out_dir: Path) -> RunConfig:
     """The SFT run that warms the tiny model up: the embedded task of `cfg` (its reasoning-gym task, if it trains on
-    one), the warm-up's own settings."""
+    one), the warm-up's own settings, `cfg`'s seed."""
     w, d = cfg.warmup, cfg.data
     gym = d.gym_task is not None
     task = DataConfig(preset=d.preset if gym else None, task_options=d.task_options, template=d.template, task=d.task,
                       difficulty=d.difficulty, max_operand=d.max_operand, train_size=d.train_size,
                       test_size=d.test_size, seed=d.seed)
     return RunConfig(
-        description=DESCRIPTION, output_dir=str(out_dir), overwrite=True, seed=0,
+        description=DESCRIPTION, output_dir=str(out_dir), overwrite=True, seed=cfg.seed,
         model=ModelConfig(path=str(init_dir)), data=task, algorithm=SFTConfig(),
         train=TrainConfig(steps=w.steps, batch_size=w.batch_size, micro_batch_size=w.batch_size, lr=w.lr,
-                          warmup_steps=w.steps // 10, loss_agg="token_mean", precision=w.precision),
+                          warmup_steps=w.steps // 10, lr_schedule="cosine", loss_agg="token_mean",
+                          precision=w.precision, threads=cfg.train.threads),
         eval=EvalConfig(num_problems=0),
     )
 
@@ -66,7 +76,7 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     warm = {k: v for k, v in dataclasses.asdict(w).items() if k != "cache_dir"}
     # keyed by the precision that runs: `auto` warms up in bf16 on one machine and in fp32 on another
     warm["precision"] = precision.resolve(w.precision, run_device()).precision
-    key_fields = {"version": VERSION, "warmup": warm,
+    key_fields = {"version": VERSION, "warmup": warm, "seed": cfg.seed,
                   "task": [d.template, d.difficulty, d.max_operand, d.train_size, d.test_size, d.seed]}
     if d.task != "arithmetic":  # the arithmetic task's keys are those from before there were others
         key_fields["task"].append(d.task)
@@ -97,19 +107,31 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
                   file=sys.stderr)
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=0)
+            init = build_model_dir(Path(tmp) / "init", hidden=w.hidden, layers=w.layers, seed=cfg.seed)
+            warm_cfg = warmup_config(cfg, init, out)
             # one of several training processes (torchrun): the warm-up is one process's run, in a process that
             # does not join the others (they wait on the lock meanwhile)
-            (alone if launched() else run)(warmup_config(cfg, init, out), {"warmup": key_fields}, quiet=quiet)
+            (alone if launched() else run)(warm_cfg, {"warmup": key_fields}, splits=warmup_splits(warm_cfg, w),
+                                           quiet=quiet)
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}
 
 
-def alone(cfg: RunConfig, resolved: dict, quiet: bool = False) -> None:
+def warmup_splits(warm_cfg: RunConfig, w: WarmupConfig) -> tuple[list[dict], list[dict]]:
+    """The warm-up's (training, held-out) rows: on the arithmetic task with `teacher_accuracy` < 1, the teacher's
+    worked solutions of each training question (`posttrain.data.embedded.taught`); else the task's rows as they are."""
+    train, test = run_splits(warm_cfg)
+    d = warm_cfg.data
+    if d.preset == "embedded" and d.task == "arithmetic" and w.teacher_accuracy < 1:
+        train = taught(train, w.teacher_accuracy, w.demonstrations, warm_cfg.seed)
+    return train, test
+
+
+def alone(cfg: RunConfig, resolved: dict, splits=None, quiet: bool = False) -> None:
     """`run` in a process of its own that has forgotten the launcher's variables: a training process started by
     torchrun warms the model up without the other processes, which would otherwise be waited for."""
     import multiprocessing
 
-    process = multiprocessing.get_context("spawn").Process(target=_run_alone, args=(cfg, resolved, quiet),
+    process = multiprocessing.get_context("spawn").Process(target=_run_alone, args=(cfg, resolved, splits, quiet),
                                                            name="posttrain-warmup")
     process.start()
     process.join()
@@ -118,10 +140,10 @@ def alone(cfg: RunConfig, resolved: dict, quiet: bool = False) -> None:
                             "above says why)")
 
 
-def _run_alone(cfg: RunConfig, resolved: dict, quiet: bool) -> None:
+def _run_alone(cfg: RunConfig, resolved: dict, splits, quiet: bool) -> None:
     forget_launcher()
     try:
-        run(cfg, resolved, quiet=quiet)
+        run(cfg, resolved, splits=splits, quiet=quiet)
     except UserError as err:  # one line, as the command itself prints it
         print(f"posttrain: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ GSM8K, so the same reward code checks both. The tiny model that goes with them i
 from __future__ import annotations
 
 import random
+import re
 
 from posttrain.core.errors import ConfigError
 
@@ -23,13 +24,38 @@ def make_problem(rng: random.Random, difficulty: int, max_operand: int = 9) -> d
     """
     terms = [rng.randint(0, max_operand) for _ in range(difficulty + 1)]
     ops = [rng.choice("+-") for _ in range(difficulty)]
-    total, steps = terms[0], []
-    for op, term in zip(ops, terms[1:]):
+    question = str(terms[0]) + "".join(f"{op}{term}" for op, term in zip(ops, terms[1:]))
+    return {"question": question, "answer": worked(question)}
+
+
+def worked(question: str, slips=None) -> str:
+    """The worked solution of an arithmetic `question`, one step per line, then `#### total`. `slips(right)` says, for a
+    step whose right result is not one digit (a carry past 9, or below 0), whether the step slips: it then drops the
+    carry (12 is written 2) or the minus sign (−3 is written 3), and the work goes on from what was written.
+
+    >>> worked("7+5-3", slips=lambda right: True)
+    '7+5=2\\n2-3=1\\n#### 1'
+    """
+    numbers = re.findall(r"\d+", question)
+    total, steps = int(numbers[0]), []
+    for op, term in zip(re.findall(r"(?<=\d)[+-]", question), map(int, numbers[1:])):
         new = total + term if op == "+" else total - term
+        if slips is not None and not 0 <= new <= 9 and slips(new):
+            new = new - 10 if new > 9 else -new
         steps.append(f"{total}{op}{term}={new}")
         total = new
-    question = str(terms[0]) + "".join(f"{op}{term}" for op, term in zip(ops, terms[1:]))
-    return {"question": question, "answer": "\n".join(steps) + f"\n#### {total}"}
+    return "\n".join(steps) + f"\n#### {total}"
+
+
+def taught(rows: list[dict], accuracy: float, demonstrations: int, seed: int) -> list[dict]:
+    """The warm-up's training rows: `demonstrations` worked solutions of each arithmetic question in `rows`, written by
+    a teacher who gets a step whose result is not one digit right with probability `accuracy` and otherwise slips
+    (`worked`). A model trained on them to convergence imitates the teacher: greedy, it slips on every such step;
+    sampled, it is right there about `accuracy` of the time, which is what RL on the answer's correctness can build
+    on. The rows' answers are the teacher's; the held-out rows a run is evaluated on keep the right ones."""
+    rng = random.Random(seed)
+    return [{"question": row["question"], "answer": worked(row["question"], lambda right: rng.random() >= accuracy)}
+            for _ in range(demonstrations) for row in rows]
 
 
 def make_calc_problem(rng: random.Random, difficulty: int, max_operand: int = 99) -> dict[str, str]:
