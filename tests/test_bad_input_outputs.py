@@ -169,7 +169,7 @@ def test_a_warmup_holds_its_lock_while_it_writes(tmp_path, monkeypatch):
     (tmp_path / f"warmup-{'a' * 12}.partial").mkdir()  # left by an interrupted warm-up of another key
     seen = {}
 
-    def fake_run(run_cfg, resolved, quiet):
+    def fake_run(run_cfg, resolved, quiet, splits=None):
         out = Path(run_cfg.output_dir)
         with pytest.raises(BlockingIOError):
             _locked(out.with_name(out.name + ".lock"))
@@ -189,8 +189,9 @@ def test_each_task_warms_up_a_model_of_its_own(tmp_path, monkeypatch):
 
     trained = {}
 
-    def fake_run(run_cfg, resolved, quiet):
-        trained[run_cfg.data.task] = run_cfg.data.max_operand
+    def fake_run(run_cfg, resolved, quiet, splits=None):
+        # the arithmetic task's rows are the slipping teacher's, `demonstrations` per question; calc's its own
+        trained[run_cfg.data.task] = (run_cfg.data.max_operand, len(splits[0]) // run_cfg.data.train_size)
         (Path(run_cfg.output_dir) / "model").mkdir(parents=True)
         (Path(run_cfg.output_dir) / "model" / "config.json").write_text("{}")
 
@@ -198,7 +199,7 @@ def test_each_task_warms_up_a_model_of_its_own(tmp_path, monkeypatch):
     monkeypatch.setattr(warmup, "build_model_dir", lambda path, **kw: path)
     paths = [warmup.ensure(config.load(recipe, [f"warmup.cache_dir={tmp_path}"])[0], quiet=True)[0]
              for recipe in ("grpo_math", "grpo_tools")]
-    assert paths[0] != paths[1] and trained == {"arithmetic": 9, "calc": 99}
+    assert paths[0] != paths[1] and trained == {"arithmetic": (9, 16), "calc": (99, 1)}
 
 
 def _rows(path: Path, long_row: int, chars: int, n: int = 40) -> Path:
