@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # torch computes as on an AVX2-only CPU
@@ -52,10 +53,10 @@ def versions() -> tuple[str, str]:
 
 
 def machine() -> tuple[int, str]:
-    from posttrain.apps.env import _cpu_model
-    from posttrain.core.precision import cpu_class
+    from posttrain.apps.env import report
 
-    return len(os.sched_getaffinity(0)), f"{_cpu_model()}, {cpu_class()}"
+    cpu = report()["cpu"]
+    return len(os.sched_getaffinity(0)), f"{cpu['model']}, {cpu['class']}"
 
 
 def stamp(name: str, precision: str, threads: str) -> str:
@@ -135,9 +136,9 @@ def first_command_spread(args) -> tuple[list[list[str]], str, str]:
             after.append(r["after"])
             rows.append([label, r["precision"], str(r["threads"]), f"{r['before']:.3f}", f"{r['after']:.3f}",
                          f"{r['after'] - r['before']:+.3f}"])
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     rows.append(["**largest distance from the median**", "", "",
-                 f"{max(abs(x - med(before)) for x in before):.3f}", f"{max(abs(x - med(after)) for x in after):.3f}",
+                 f"{max(abs(x - median(before)) for x in before):.3f}",
+                 f"{max(abs(x - median(after)) for x in after):.3f}",
                  f"{min(a - b for a, b in zip(after, before)):+.3f} (least)"])
     return rows, "as each row says", "as each row says"
 

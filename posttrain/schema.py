@@ -289,7 +289,7 @@ class Sampling(Freezable):
     max_model_len: int | None = None
     """vllm: the longest prompt + completion it accepts; null: the model's max_position_embeddings."""
 
-    def check_sampling(self):
+    def check(self):
         if self.temperature <= 0:
             raise ConfigError(f"temperature: must be > 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
@@ -351,7 +351,7 @@ class Placement(Freezable):
         """Samples may be older than the weights they train (separate placement, max_staleness ≥ 1)."""
         return self.placement == "separate" and self.max_staleness > 0
 
-    def check_placement(self):
+    def check(self):
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"placement: unknown {self.placement!r}; known: {', '.join(PLACEMENTS)}")
         for key, low in (("max_staleness", 0), ("workers", 1), ("worker_threads", 0), ("max_worker_restarts", 0)):
@@ -399,7 +399,7 @@ class OffPolicyCorrection(Freezable):
     sequence_truncate, min(ρ, C) of the sequence's ratio ρ = Π_t ρ_t on all its tokens; sequence_mask, ρ, or 0 for the
     whole sequence where ρ > C (docs/unified_view.md)."""
 
-    def check_offpolicycorrection(self):
+    def check(self):
         if self.proximal is not None and self.proximal not in PROXIMAL:
             raise ConfigError(f"proximal: unknown {self.proximal!r}; known: {', '.join(PROXIMAL)}")
         if self.proximal == "sampler" and (self.tis_cap is not None or self.tis_mode != "token_truncate"):
@@ -426,7 +426,7 @@ class DynamicSamplingKeys(Freezable):
     """dynamic_sampling: the most sampling rounds a step takes; if the rounds run out, equal-reward groups fill the
     batch (they add nothing but the KL term) and filled_groups counts them."""
 
-    def check_dynamicsamplingkeys(self):
+    def check(self):
         if self.max_sampling_rounds < 1:
             raise ConfigError(f"max_sampling_rounds: must be ≥ 1 (got {self.max_sampling_rounds})")
 
@@ -448,7 +448,7 @@ class AdaptiveTemperatureKeys(Freezable):
     max_temperature: float = 2.0
     """adaptive_temperature: the highest temperature it sets."""
 
-    def check_adaptivetemperaturekeys(self):
+    def check(self):
         if not 0 < self.min_temperature <= self.max_temperature:
             raise ConfigError(f"min_temperature: must be > 0 and ≤ max_temperature (got {self.min_temperature}, "
                               f"{self.max_temperature})")
@@ -473,7 +473,7 @@ class AdaptiveGroupSizeKeys(Freezable):
     group_size_target: float = 0.9
     """adaptive_group_size: the chance, at the prompt's pass rate, that its group holds a correct sample."""
 
-    def check_adaptivegroupsizekeys(self):
+    def check(self):
         if not 2 <= self.min_group_size <= self.max_group_size:
             raise ConfigError(f"min_group_size: must be ≥ 2 and ≤ max_group_size (got {self.min_group_size}, "
                               f"{self.max_group_size})")
@@ -496,7 +496,7 @@ class EliteReplayKeys(Freezable):
     """C of a replayed token's off-policy weight min(π_old / μ, C) on GC, μ the older policy that drew the elite
     (V-trace's ρ̄ truncation, arXiv:1802.01561): 1 never up-weights a token; biased, but bounded by C."""
 
-    def check_elitereplaykeys(self):
+    def check(self):
         if self.elite_pool < 0:
             raise ConfigError(f"elite_pool: must be ≥ 0 (got {self.elite_pool})")
         if self.elite_is_cap <= 0:
@@ -517,7 +517,7 @@ class RolloutConfig(EliteReplayKeys, AdaptiveGroupSizeKeys, AdaptiveTemperatureK
 
     def __post_init__(self):
         for part in self.PARTS:
-            getattr(part, f"check_{part.__name__.lower()}")(self)
+            part.check(self)  # each part's own function, called through its class (the bases share the name)
         # the rules between parts
         if self.proximal == "sampler" and self.elite_pool:
             raise ConfigError("proximal: sampler takes the ratio against each row's sampler, and an elite pool's "
