@@ -66,7 +66,7 @@ def check_precision(value: str) -> None:
 
 @dataclass
 class WarmupConfig(Freezable):
-    steps: int = 600
+    steps: int = 1000
     """SFT steps on the embedded task that turn the random tiny model into a weak but non-zero policy: enough for it to
     converge on its teacher (`teacher_accuracy`), the learning rate decaying to 0 along a cosine after a linear
     warm-up of a tenth of them, so that where it ends depends on the data and the seed, not on the last bits of the
@@ -83,8 +83,8 @@ class WarmupConfig(Freezable):
     Other tasks: their rows as they are."""
     demonstrations: int = 16
     """Arithmetic task with teacher_accuracy < 1: worked solutions per training question, each the teacher's afresh;
-    enough that a warm-up sees few rows twice, so the model learns how often the teacher is right on each step rather
-    than the draws of one question (16 × 3,000 rows against 600 steps × 64)."""
+    enough that a warm-up sees each row once or twice, so the model learns how often the teacher is right on each step
+    rather than the draws of one question (16 × 3,000 = 48,000 rows against 1,000 steps × 64 = 64,000 seen)."""
     hidden: int = 128
     """Width of the embedded tiny model."""
     layers: int = 4
