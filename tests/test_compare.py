@@ -208,15 +208,19 @@ def test_report_over_seeds_says_which_differences_exceed_the_spread(tmp_path):
             runs.append(run)
         return runs
 
-    per_seed = {"a": seeds(0.50, 0.52, 0.54), "b": seeds(0.70, 0.72, 0.74), "c": seeds(0.45, 0.55, 0.65)}
+    per_seed = {"a": seeds(0.50, 0.52, 0.54), "b": seeds(0.70, 0.72, 0.74), "c": seeds(0.45, 0.55, 0.65),
+                "d": seeds(0.47, 0.57, 0.67)}
     runs = {name: over_seeds(each) for name, each in per_seed.items()}
     p = compare.Plan({n: n for n in runs}, list(runs), tmp_path, ["train.steps=3"], 3, 2, seed_list=[0, 1, 2])
     compare.report(compare.Results(p, per_seed))
     md = (tmp_path / "compare.md").read_text()
-    assert "| held-out accuracy after | 0.520 ± 0.020 | 0.720 ± 0.020 | 0.550 ± 0.100 |" in md
-    assert "| held-out accuracy after | a | b | +0.200 | 0.040 | yes |" in md  # bars 0.50–0.54 and 0.70–0.74
-    assert "| held-out accuracy after | a | c | +0.030 | 0.120 | no |" in md
-    assert "| held-out accuracy after | b | c | -0.170 | 0.120 | yes |" in md
+    assert "| held-out accuracy after | 0.520 ± 0.020 | 0.720 ± 0.020 | 0.550 ± 0.100 | 0.570 ± 0.100 |" in md
+    # bars 0.50–0.54 and 0.70–0.74; seed by seed b − a is 0.2 in every seed
+    assert "| held-out accuracy after | a | b | +0.200 | 0.040 | yes | +0.200 ± 0.000 | 3/3 |" in md
+    assert "| held-out accuracy after | a | c | +0.030 | 0.120 | no | +0.030 ± 0.080 | 2/3 |" in md  # −0.05, 0.03, 0.11
+    assert "| held-out accuracy after | b | c | -0.170 | 0.120 | yes | -0.170 ± 0.080 | 0/3 |" in md
+    # the bars overlap (0.2 of spread against 0.02), but d is above c by 0.02 in every seed: what pairing shows
+    assert "| held-out accuracy after | c | d | +0.020 | 0.200 | no | +0.020 ± 0.000 | 3/3 |" in md
     assert "seeds 0, 1, 2" in md
     written = json.loads((tmp_path / "compare.json").read_text())
     assert written["runs"]["a"]["accuracy_after"]["mean"] == pytest.approx(0.52)

@@ -6,7 +6,7 @@ A figure over seeds is a `Spread` and prints as mean ± sd."""
 from __future__ import annotations
 
 from posttrain.apps.compare.planning import Plan
-from posttrain.apps.spread import verdicts
+from posttrain.apps.spread import Spread, verdicts
 
 ROLES = {  # role in summary.json -> label, in report order; a role not listed is shown too (`roles_of`)
     "policy_weights": "policy weights", "policy_gradients": "policy gradients",
@@ -136,11 +136,14 @@ def markdown(runs: dict[str, dict], plan: Plan) -> str:
 def spread_section(runs: dict[str, dict]) -> list[str]:
     """Markdown: for every pair of recipes, whether their held-out accuracy after (and its change, when the recipes
     start from different accuracies) differ by more than the seed-to-seed spread (sd_a + sd_b;
-    `posttrain.apps.spread`)."""
+    `posttrain.apps.spread`), and their difference seed by seed: seed s of a against seed s of b, which share the
+    seed's warm-up, data order and sampling seed, so that the part of the spread they share drops out."""
     lines = ["## Differences beyond the seed-to-seed spread", "",
              "A difference counts when |mean_b − mean_a| > sd_a + sd_b (the ± bars do not overlap): a rough screen "
-             "with few seeds, not a significance test.", "",
-             "| figure | a | b | mean b − mean a | sd a + sd b | beyond the spread |", "|---|---|---|---:|---:|---|"]
+             "with few seeds, not a significance test. Seed by seed: b − a within each seed (both runs from the same "
+             "warm-up), as mean ± sd, and in how many seeds b was above a.", "",
+             "| figure | a | b | mean b − mean a | sd a + sd b | beyond the spread | seed by seed | b above a |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
     change = {n: r["accuracy_after"] - r["accuracy_before"] if r["accuracy_before"] is not None else None
               for n, r in runs.items()}
     compared = [("held-out accuracy after", {n: r["accuracy_after"] for n, r in runs.items()})]
@@ -148,7 +151,10 @@ def spread_section(runs: dict[str, dict]) -> list[str]:
         compared.append(("change in held-out accuracy", change))
     for label, figures in compared:
         for a, b, diff, bar, yes in verdicts(figures):
-            lines.append(f"| {label} | {a} | {b} | {diff:+.3f} | {bar:.3f} | {'yes' if yes else 'no'} |")
+            paired = figures[b] - figures[a]  # a Spread of each seed's difference where either varies over seeds
+            values = paired.values if isinstance(paired, Spread) else (paired,)
+            lines.append(f"| {label} | {a} | {b} | {diff:+.3f} | {bar:.3f} | {'yes' if yes else 'no'} | "
+                         f"{paired:+.3f} | {sum(v > 0 for v in values)}/{len(values)} |")
     return lines + [""]
 
 
