@@ -225,7 +225,8 @@ def figure5(args) -> Measured:
         o = against.get(n)
         rows.append([LABELS[n], f"{final[n]:.3f}", ", ".join(f"{v:.3f}" for v in final[n].values),
                      *([o["ordering"], f"{o['difference']:+.3f}", f"{o['spread']:.3f}",
-                        f"{o['seeds_holding']}/{o['seeds']}", "yes" if o["holds"] else "no"] if o else [""] * 5)])
+                        "yes" if o["holds"] else "no", f"{o['seed_by_seed']:+.3f}",
+                        f"{o['seeds_holding']}/{o['seeds']}"] if o else [""] * 6)])
     copy_figure(args, out / "figure5.png", "figure5.png")
     compare = json.loads((out / "compare.json").read_text())["seed_runs"]
     built = warmups_built([r for runs in compare.values() for r in runs])
@@ -332,7 +333,8 @@ TABLES = {
                       "GRPO's family on grpo_math's budget, 3 seeds each (about 40 min)"),
     "figure5": Table("docs/reproduction.md", ("method", "held-out accuracy after 100 steps", "seeds 0, 1, 2",
                                               "the paper's ordering", "mean difference", "sd sum",
-                                              "seeds in which it holds", "holds beyond the spread"), figure5,
+                                              "holds beyond the spread", "difference seed by seed",
+                                              "seeds in which it holds"), figure5,
                      "`posttrain reproduce figure5` (about 12 min, warm-ups included)"),
     "figure7": Table("docs/reproduction.md", ("K", "Maj@K before", "Maj@K after", "lift", "Pass@K before",
                                               "Pass@K after", "lift", "Maj@K lift − Pass@K lift",

@@ -56,6 +56,9 @@ def test_an_ordering_holds_only_beyond_the_spread():
     assert grpo["difference"] > 0 and not grpo["holds"] and grpo["seeds_holding"] == 2
     ps = rows["GRPO+PS > GRPO"]
     assert ps["difference"] < 0 and not ps["holds"] and ps["seeds_holding"] == 0
+    paired = rows["Online RFT > RFT"]["seed_by_seed"]  # 0.1 in every seed
+    assert paired.values == pytest.approx((0.1, 0.1, 0.1)) and format(paired, "+.3f") == "+0.100 ± 0.000"
+    assert grpo["seed_by_seed"].values == pytest.approx((0.01, 0.08, -0.05))
 
 
 def test_figure5_takes_the_comparison_as_data(tmp_path, monkeypatch):
@@ -85,6 +88,8 @@ def test_figure5_takes_the_comparison_as_data(tmp_path, monkeypatch):
     ps = report["orderings"][-1]
     assert ps["ordering"] == "GRPO+PS > GRPO" and ps["seeds_holding"] == 2 and ps["holds"]
     assert ps["higher"]["mean"] == pytest.approx(0.6) and ps["higher"]["sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert ps["seed_by_seed"]["values"] == pytest.approx([0.2, 0.4])
+    assert "| GRPO+PS > GRPO | +0.300 | 0.141 | +0.300 ± 0.141 | 2/2 | yes |" in (tmp_path / "figure5.md").read_text()
     assert (tmp_path / "figure5.png").stat().st_size > 10_000
 
 
