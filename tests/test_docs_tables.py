@@ -43,3 +43,41 @@ def test_a_block_is_replaced_whole_and_only_it():
         docs_tables.replace_block(text, "y", "")
     stamp = docs_tables.stamp("first_command", "auto (bf16-mixed)", "fitted")
     assert docs_tables.STAMP.match(stamp).group(1) == "first_command"
+
+
+def test_the_comparison_tables_read_their_commands_output_seed_by_seed(tmp_path, monkeypatch):
+    """`variants` and `figure5` turn what `posttrain compare` / `reproduce figure5` wrote into their rows, with each
+    seed's difference against the method before (here stood in for by written files, not runs): dapo is above grpo
+    by 0.03 in every seed while the seeds move both by 0.1, so its bar on means overlaps and its seed by seed does not."""
+    import argparse
+    import json
+
+    def run(before, after):
+        return {"accuracy_before": before, "accuracy_after": after, "wall_seconds": 10.0, "warmup_seconds": 0.0,
+                "memory": {"peak_rss_mb": 100.0}}
+
+    after = {n: (0.7, 0.6, 0.8) for n in docs_tables.VARIANTS}
+    after["dapo_math"] = (0.73, 0.63, 0.83)
+    finals = {"rft": [0.5, 0.4, 0.6], "online_rft": [0.6, 0.5, 0.7], "grpo": [0.6, 0.55, 0.7],
+              "grpo_ps": [0.55, 0.5, 0.6]}
+
+    def fake(args, argv, out):
+        out.mkdir(parents=True, exist_ok=True)
+        if argv[0] == "compare":
+            runs = {n: [run(0.3, a) for a in after[n]] for n in docs_tables.VARIANTS}
+            (out / "compare.json").write_text(json.dumps({"seed_runs": runs}))
+        else:
+            (out / "figure5.json").write_text(json.dumps({"final_accuracy": finals}))
+            (out / "compare.json").write_text(json.dumps({"seed_runs": {"grpo_math": [run(0.3, 0.6)] * 3}}))
+            (out / "figure5.png").write_bytes(b"")
+        return 1.0, "posttrain " + " ".join(argv)
+
+    monkeypatch.setattr(docs_tables, "posttrain", fake)
+    args = argparse.Namespace(work=tmp_path, cache=tmp_path / "cache", print=True)
+    for name, measure in (("variants", docs_tables.variants), ("figure5", docs_tables.figure5)):
+        rows = measure(args).rows
+        assert all(len(r) == len(docs_tables.TABLES[name].columns) for r in rows)
+    dapo = next(r for r in docs_tables.variants(args).rows if r[0] == "dapo_math")
+    assert dapo[4:8] == ["+0.030", "no", "+0.030 ± 0.000", "3/3"]  # bars 0.1 + 0.1 against 0.03; every seed above
+    grpo = next(r for r in docs_tables.figure5(args).rows if r[0] == "GRPO")
+    assert grpo[3:] == ["GRPO > Online RFT", "+0.017", "0.176", "no", "+0.017 ± 0.029", "1/3"]  # 0, +0.05, 0
