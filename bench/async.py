@@ -5,6 +5,7 @@ max_staleness k = 0, 1, 2 (at k = 1 and 2 also with the reference log-probs scor
     python bench/async.py                                   # both variants, 3 seeds of accuracy; ~55 min on 2 cores (AVX-512 with AMX)
     python bench/async.py --seeds 0                         # throughput alone; ~11 min (AVX-512, AVX512-BF16, no AMX)
     python bench/async.py --variants long-completions --seeds 0 --steps 12
+    python bench/async.py --launcher local,ray --configs colocated,k=0,k=1 --seeds 0   # Ray actors beside processes
 
 Variants:
 - embedded: `recipe=grpo_math` as it ships (the warmed-up embedded model, 32 prompts × 8 samples a step,
@@ -28,6 +29,11 @@ k = 1 with the truncated importance weight per token or per sequence (`rollout.p
 default correction, and `lagged-k=1`, the colocated run sampling each batch from the weights one update old
 (bench/lagged.py, truncated weight), which has the staleness of k = 1 without the workers. k = 0 is left out by
 default: it samples as the colocated run does.
+`--launcher local,ray` runs each configuration with rollout workers both ways: processes of the training process
+(`rollout.launcher=local`) and Ray actors in a placement group on a local Ray instance (`rollout.launcher=ray`), and
+adds what Ray costs: the workers' start-up (from asking for them to every worker ready, joining or starting the Ray
+cluster included) and the weight push's milliseconds per MiB (the median `time/weight_sync` over the steps after the
+first, over the MiB pushed to one worker).
 `--timeline FILE.png` plots the busy and idle time of each side for the k = 1 run of the last variant, from the
 clock stamps in its metrics.jsonl.
 """
@@ -73,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the accuracy runs (one: none)")
     p.add_argument("--accuracy", default="colocated,k=1,k=2,k=1-trainer,lagged-k=1",
                    help="comma-separated configurations of the accuracy runs: " + ", ".join([*CONFIGS, *ACCURACY]))
+    p.add_argument("--launcher", default="local", help="comma-separated: local, ray (what starts the workers)")
     p.add_argument("--timeline", type=Path, help="a PNG of each side's busy and idle time (k=1, last variant)")
     args = p.parse_args(argv)
     unknown = [c for c in args.accuracy.split(",") if c not in {**CONFIGS, **ACCURACY}]
@@ -89,6 +96,15 @@ def run(args: list[str], out: Path, config: str = "") -> list[dict]:
     if proc.returncode:
         sys.exit(f"bench/async.py: {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def workers(out: Path, lines: list[dict]) -> dict:
+    """The workers' start-up seconds and the weight push's milliseconds per MiB (nan for a colocated run)."""
+    w = json.loads((out / "summary.json").read_text()).get("rollout_workers")
+    if not w:
+        return {"start s": float("nan"), "push ms/MiB": float("nan")}
+    push = statistics.median(m["time/weight_sync"] for m in lines[1:])
+    return {"start s": w["start_s"], "push ms/MiB": 1000 * push / w["push_mib"]}
 
 
 def throughput(lines: list[dict]) -> dict:
@@ -111,7 +127,7 @@ def row(variant: str, config: str, t: dict, note: str = "") -> str:
     ratio = f"{t['ratio']:.2f}x" if t["ratio"] == t["ratio"] else "-"
     return (f"{variant:<17} {config:<10} {t['steps/s']:>8.2f} {t['samples/s']:>10.1f} {ratio:>13} {t['tokens/s']:>9.0f} "
             f"{t['trainer idle']:>13.0%} {t['worker idle']:>12.0%} {t['staleness']:>10.2f} {t['response_len']:>9.1f}"
-            f"{note}")
+            f"{t['start s']:>8.1f} {t['push ms/MiB']:>12.2f}{note}")
 
 
 def timeline(lines: list[dict], path: Path, title: str) -> None:
@@ -145,19 +161,24 @@ def main() -> None:
 
         untrained = build_model_dir(Path(tmp) / "untrained", max_len=512)  # the embedded architecture, fresh
         header = (f"{'variant':<17} {'config':<10} {'steps/s':>8} {'samples/s':>10} {'vs colocated':>13} "
-                  f"{'tokens/s':>9} {'trainer idle':>13} {'worker idle':>12} {'staleness':>10} {'response':>9}")
+                  f"{'tokens/s':>9} {'trainer idle':>13} {'worker idle':>12} {'staleness':>10} {'response':>9}"
+                  f" {'start s':>7} {'push ms/MiB':>12}")
         print(header)
         table = {}  # (variant, config) -> each round's figures, its samples/s ratio to the round's colocated run among them
         for variant in variants:
             for r in range(args.repeats):  # rounds, so that a slow spell of the machine touches every configuration
                 base = None
-                for config in configs:
+                for config, launcher in [(c, x) for c in configs for x in (["local"] if c == "colocated"
+                                                                             else args.launcher.split(","))]:
                     given = [a.format(untrained=untrained) for a in VARIANTS[variant]]
-                    lines = run([*given, *CONFIGS[config], f"train.steps={args.steps}", "eval.num_problems=0"],
-                                Path(tmp) / variant / f"{config}-{r}")
-                    t = throughput(lines)
+                    ray = ["rollout.launcher=ray"] if launcher == "ray" else []
+                    out = Path(tmp) / variant / f"{config}-{launcher}-{r}"
+                    lines = run([*given, *CONFIGS[config], *ray, f"train.steps={args.steps}", "eval.num_problems=0"],
+                                out)
+                    t = {**throughput(lines), **workers(out, lines)}
                     base = t["samples/s"] if config == "colocated" else base
                     t["ratio"] = t["samples/s"] / base if base else float("nan")
+                    config = f"{config} ray" if ray else config
                     table.setdefault((variant, config), []).append(t)
                     print(row(variant, f"{config}", t, f" (round {r + 1})"), flush=True)
                     if args.timeline and config == "k=1" and variant == variants[-1] and r == 0:

@@ -56,6 +56,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
          "posttrain/train/plan.py": ["tests/test_plan.py", "tests/test_explain.py", "tests/test_async.py"],
          "posttrain/rollout/workers/process.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows"],
+         "posttrain/rollout/workers/actors.py": ["tests/test_ray.py"], "posttrain/train/build.py": ["tests/test_ray.py"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
                                             "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
@@ -133,6 +134,16 @@ MUTANTS = [
       "micro.split(batch.lengths(), 1, rows, tokens, packed)", "micro.split(batch.lengths(), 1, rows, None, packed)"),
     m("worker-scoring-ignores-packing", "posttrain/rollout/workers/process.py", "reference_logprobs",
       "the workers' reference scoring never packs", "packed = packing and packs(model)", "packed = False"),
+    # rollout.launcher=ray (tests/test_ray.py, a simulated cluster of three nodes): the launcher silently local, the
+    # tests' faults never reaching the actors, a hung actor left alive (the trainer waits out its start-up bound)
+    m("ray-launcher-ignored", "posttrain/train/build.py", "start_workers", "rollout.launcher=ray starts local workers",
+      'if p.launcher == "ray":', 'if False:'),
+    m("ray-fault-not-carried", "posttrain/rollout/workers/actors.py", "RolloutActor.__init__",
+      "an actor never sees the fault the tests inject", "        if fault:  # the tests'", "        if False:  # the tests'"),
+    m("ray-hung-actor-not-killed", "posttrain/rollout/workers/actors.py", "RayWorker.kill",
+      "a worker that timed out is not killed: its restart waits for a process that never comes",
+      "        if self.dead is None:\n            ray.kill(self.actor, no_restart=False)",
+      "        if False:\n            ray.kill(self.actor, no_restart=False)"),
     # algorithms/base.py: the plugin base; posttrain/core/registry.py: the registry behind `register` and `get`
     m("base-needs", A, "Algorithm.needs", "default needs asks for a reward",
       "        return frozenset()\n", '        return frozenset({"reward"})\n'),

@@ -201,8 +201,10 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     tree_wo_algo = {k: v for k, v in tree.items() if k not in ("algorithm", "rewards")}
     cfg = build(RunConfig, tree_wo_algo, "")
     # Counts the cores of this machine cannot serve, before torch loads libgomp, which reads OMP_NUM_THREADS
-    threads.check_counts(cfg.train.threads, cfg.rollout.workers if cfg.rollout.placement == "separate" else 0,
-                         cfg.rollout.worker_threads)
+    # (Ray places its workers on any node of its cluster, and says itself what does not fit: docs/distributed.md)
+    here = cfg.rollout.placement == "separate" and cfg.rollout.launcher == "local"
+    threads.check_counts(cfg.train.threads, cfg.rollout.workers if here else 0,
+                         cfg.rollout.worker_threads if here else 0)
     cfg.rewards = rewards_config(tree.get("rewards"))
     check_trackers(cfg)
     if "name" not in algo_tree:

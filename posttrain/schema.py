@@ -307,6 +307,8 @@ class Sampling(Freezable):
 
 
 PLACEMENTS = ("colocated", "separate")  # rollout.placement
+LAUNCHERS = ("local", "ray")  # rollout.launcher
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # ray.strategy: Ray's placement group strategies
 REFERENCE_ON = ("trainer", "workers")  # rollout.reference_on
 
 
@@ -326,12 +328,16 @@ class Placement(Freezable):
     """separate: k, how many policy versions the workers may run ahead of the trainer: a batch trained by the update
     to version v was sampled by version v − 1 − k or later. 0 is the synchronous algorithm (on CPU with the hf
     engine, byte for byte the colocated run); each step logs staleness/mean and staleness/max."""
+    launcher: str = "local"
+    """separate: what starts the workers and watches them. local: processes of the first training process, on its
+    machine's cores; ray: Ray actors, each placed by a placement group bundle of its own on any node of the Ray
+    cluster (`ray.address`), restarted by Ray when they die (docs/distributed.md; `pip install 'posttrain[ray]'`)."""
     workers: int = 1
     """separate: rollout worker processes; a step's prompts are split between them. With several training processes
     the first starts them and every process samples through them."""
     worker_threads: int = 0
     """separate: compute threads (and cores, where there are enough) of each worker; 0: the usable cores shared
-    evenly between the workers and the trainer."""
+    evenly between the workers and the trainer. Under launcher=ray, the CPUs each worker's bundle reserves."""
     worker_timeout_s: float = 600.0
     """separate: a weight push or a sampling request a worker has not answered within this many seconds counts as
     hung: the worker is killed and started again, and its prompts are sent again."""
@@ -362,6 +368,8 @@ class Placement(Freezable):
                 raise ConfigError(f"{key}: must be > 0 (got {getattr(self, key)})")
         if self.reference_on not in REFERENCE_ON:
             raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"launcher: unknown {self.launcher!r}; known: {', '.join(LAUNCHERS)}")
         if self.placement == "colocated":
             moved = [f.name for f in dataclasses.fields(Placement)
                      if f.name != "placement" and getattr(self, f.name) != f.default]
@@ -755,6 +763,25 @@ class RewardsConfig(Freezable):
 
 
 @dataclass
+class RayConfig(Freezable):
+    """The `ray` group: the Ray cluster that places the rollout workers under rollout.launcher=ray
+    (docs/distributed.md)."""
+
+    address: str = "auto"
+    """The cluster to join: auto, the one `ray start` made on this machine (or RAY_ADDRESS), else a local one
+    started for the run and stopped with it; or an address, e.g. 10.0.0.1:6379."""
+    strategy: str = "PACK"
+    """How the placement group lays the workers' bundles (one a worker) on the nodes: PACK (as few nodes as fit),
+    SPREAD (as many), STRICT_PACK (one node) or STRICT_SPREAD (a node each)."""
+
+    def __post_init__(self):
+        if not self.address.strip():
+            raise ConfigError("address: empty; give auto or the cluster's address, e.g. 10.0.0.1:6379")
+        if self.strategy not in RAY_STRATEGIES:
+            raise ConfigError(f"strategy: unknown {self.strategy!r}; known: {', '.join(RAY_STRATEGIES)}")
+
+
+@dataclass
 class EnvConfig(Freezable):
     """The `env` group: multi-turn rollouts in an environment (environments/, docs/environments.md)."""
 
@@ -831,6 +858,8 @@ class RunConfig(Freezable):
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn rollouts: the environment the online methods' samples act in, turn by turn."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray cluster of rollout.launcher=ray."""
 
     def __post_init__(self):
         names = [name.strip() for name in self.report_to.split(",")]
@@ -842,6 +871,11 @@ class RunConfig(Freezable):
                                   "(several: comma-separated)")
         if "none" in names and len(names) > 1:
             raise ConfigError(f"report_to: none names no tracker and goes alone (got {self.report_to!r})")
+        if self.rollout.launcher != "ray":
+            moved = [f.name for f in dataclasses.fields(RayConfig) if getattr(self.ray, f.name) != f.default]
+            if moved:
+                raise ConfigError(f"ray.{moved[0]}: applies to rollout.launcher=ray (got launcher="
+                                  f"{self.rollout.launcher})")
 
     @property
     def trackers(self) -> tuple[str, ...]:

@@ -81,3 +81,16 @@ def warm_model_dir(tmp_path_factory) -> Path:
 
 
 EASY = ["data.difficulty=1", "data.train_size=150", "data.test_size=20"]
+
+
+@pytest.fixture(scope="session")
+def colocated(warm_model_dir, tmp_path_factory):
+    """tests/test_async.py's short GRPO run as it has always run, sampling in the training process: the bytes that
+    the runs through rollout workers (local processes, Ray actors) must match at max_staleness 0."""
+    from test_async import run, summary, weights
+
+    out = tmp_path_factory.mktemp("colocated") / "out"
+    proc = run(warm_model_dir, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert summary(out)["placement"] == "colocated"
+    return weights(out)

@@ -54,16 +54,6 @@ def assert_separate(out, restarts=0):
     assert all("time/wait_batch" in m for m in metrics(out))
 
 
-@pytest.fixture(scope="module")
-def colocated(warm_model_dir, tmp_path_factory):
-    """The synchronous run as it has always run, in the training process: the bytes the others must match."""
-    out = tmp_path_factory.mktemp("colocated") / "out"
-    proc = run(warm_model_dir, out)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert summary(out)["placement"] == "colocated"
-    return weights(out)
-
-
 # Without a fault (also shown by the killed-and-resumed run below) and stuck in sampling (the same time-out as stuck
 # taking weights): under -m slow.
 @pytest.mark.parametrize("fault", [pytest.param(None, marks=pytest.mark.slow, id="None"), "die:2",

@@ -285,19 +285,29 @@ def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path, backend):
     assert all(m["time/weight_sync"] > 0 and m["mismatch/kl"] < 0.01 for m in metrics)
 
 
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+if not HAVE_RAY and os.environ.get("POSTTRAIN_REQUIRE_RAY") == "1":
+    raise RuntimeError("POSTTRAIN_REQUIRE_RAY=1 but ray is not importable in this environment")
+
+
 @needs_vllm
-def test_separate_workers_on_vllm_take_weight_pushes(model_dir, tmp_path):
-    """`rollout.placement=separate` with `rollout.engine=vllm`: a worker process runs vLLM on its own copy of the
-    weights and takes a numbered version after every update (bucketed over its gloo group) while the next batch is
-    sampled one version ahead. Asserted first: the worker really ran vLLM, in another process."""
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.skipif(
+    not HAVE_RAY, reason="ray is not installed (pip install 'posttrain[ray]')"))])
+def test_separate_workers_on_vllm_take_weight_pushes(model_dir, tmp_path, launcher):
+    """`rollout.placement=separate` with `rollout.engine=vllm`: a worker process (or a Ray actor, on a local Ray
+    instance) runs vLLM on its own copy of the weights and takes a numbered version after every update (bucketed over
+    its gloo group) while the next batch is sampled one version ahead. Asserted first: the worker really ran vLLM, in
+    another process, started by the launcher asked for."""
     out = tmp_path / "run"
     proc = run_cli("run", "recipe=grpo_math", "rollout.engine=vllm", "rollout.placement=separate",
+                   f"rollout.launcher={launcher}",
                    "rollout.max_staleness=1", f"model.path={model_dir}", "train.steps=4", "train.batch_size=2",
                    "algorithm.group_size=4", "rollout.max_new_tokens=8", "eval.num_problems=4", "data.train_size=20",
                    "data.test_size=4", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rollout_engine"] == "vllm" and summary["placement"] == "separate"
+    assert summary["rollout_workers"]["launcher"] == launcher and summary["rollout_workers"]["attention"] == ["vllm"]
     assert summary["weight_sync"] == "full" and summary["rollout_workers"]["restarts"] == 0
     assert all(pid != os.getpid() for pid in summary["rollout_workers"]["pids"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

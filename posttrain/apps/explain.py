@@ -130,6 +130,7 @@ class Plan:
     response_budget: str  # the key that bounds a response
     scored: list[str]  # what is scored over the whole batch before the update: ref_logp, old_logp, values
     models: list[Model] = field(default_factory=list)
+    placement: list[tuple[str, str]] = field(default_factory=list)  # (role, where it runs), in words
     stages: list[Stage] = field(default_factory=list)
     max_lag: int | None = None  # optimizer steps a fresh sample's policy may be behind the one it updates
     lag: list[str] = field(default_factory=list)  # the same, in words
@@ -160,6 +161,7 @@ def explain(cfg: RunConfig, recipe: str = "", world: int = 1) -> Plan:
         response_budget=s.response_budget, scored=list(run.scored), run=run)
     plugin = config.algorithm_of(cfg)
     plan.models, plan.notes = models(cfg, plugin, run)
+    plan.placement = placement(cfg, run)
     plan.stages, unknown = stages(cfg, plugin, run)
     plan.notes += unknown
     plan.max_lag, plan.lag = lag(run)
@@ -221,6 +223,38 @@ def models(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Model], list[str]
         out.append(Model("process reward model", rm.process_path, False, "scores each step of the samples trained "
                          "on (rewards.process=model)"))
     return out, notes
+
+
+def placement(cfg: RunConfig, run: RunPlan) -> list[tuple[str, str]]:
+    """Where each role of the run runs: the training processes, the sampler (in them, or each rollout worker: a
+    process of the first training process, or a Ray actor in its placement group bundle), and the reference."""
+    r, world = run.rollout, run.world_size
+    threads = f"{_n(run.threads, 'thread')} each" if run.threads else "threads fitted to the free cores as it goes"
+    out = [("trainer", f"{_n(world, 'training process')} on the machine `posttrain run` (or torchrun) starts on, "
+                       f"{threads}")]
+    if r.placement != "separate":
+        out.append(("sampler", "in the training process, between updates (rollout.placement=colocated)"))
+    for i in range(r.workers):
+        if r.launcher == "ray":
+            where = (f"a Ray actor in bundle {i} of a placement group of {_n(r.workers, 'bundle')} of "
+                     f"{{CPU: {r.worker_threads}}} (ray.strategy={cfg.ray.strategy}), on the node Ray gives that "
+                     f"bundle in the cluster at ray.address={cfg.ray.address}; summary.json records each node")
+        else:
+            cores = (f"on core{'s' if len(r.worker_cpus[i]) > 1 else ''} {', '.join(map(str, r.worker_cpus[i]))}"
+                     if r.worker_cpus else "on cores it shares")
+            where = (f"a process the first training process starts on its machine (rollout.launcher=local), "
+                     f"{cores}, {_n(r.worker_threads, 'thread')}")
+        out.append((f"rollout worker {i}", where))
+    reference = run.role("reference")
+    if reference is not None:
+        out.append(("reference", {"workers": "on each rollout worker, beside its sampler (rollout.reference_on="
+                                             "workers)",
+                                  "adapter_off": "the training processes' policy, its LoRA adapter off"}
+                    .get(reference.where, "in the training processes")))
+    for role in ("critic", "reward_model"):
+        if run.role(role) is not None:
+            out.append((role.replace("_", " "), "in the training processes"))
+    return out
 
 
 def stages(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Stage], list[str]]:
@@ -465,6 +499,10 @@ def render(plan: Plan) -> str:
     lines += ["", "Models:"]
     for m in p.models:
         lines += _wrap(f"{m.origin}. {m.why[:1].upper()}{m.why[1:]}.", " " * 28, f"  {m.role:<17}{'trained' if m.trained else 'frozen':<9}")
+    if p.placement:
+        lines += ["", "Where each role runs:"]
+        for role, where in p.placement:
+            lines += _wrap(f"{where[:1].upper()}{where[1:]}.", " " * 20, f"  {role:<18}")
     if p.stages:
         lines += ["", "Data pipeline of a step, in order:"]
         for i, s in enumerate(p.stages, 1):

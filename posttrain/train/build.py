@@ -9,6 +9,7 @@ as the run goes: posttrain.train.controllers) and the data source with its pipel
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 from posttrain import judge as judges
@@ -25,7 +26,7 @@ from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
 from posttrain.models.loading import check_files, load, stop_token_ids
 from posttrain.rollout.shared import Lanes, SharedPool
-from posttrain.rollout.workers import WorkerPool, WorkerSpec
+from posttrain.rollout.workers import START_S, WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
 from posttrain.sources import SOURCES, Deps
 from posttrain.sources.episodes import episodes_for
@@ -156,9 +157,19 @@ def start_workers(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: st
     """The rollout workers of `rollout.placement=separate`, each on the cores the plan gives it (the trainer keeping
     the rest); holding the reference model in `reference` when given."""
     r, p = cfg.rollout, plan.rollout
-    return WorkerPool(worker_spec(cfg, plan, setup, dtype, reference), p.workers,
-                      cpus=[list(c) for c in p.worker_cpus] if p.worker_cpus is not None else None,
-                      shared_rng=p.shared_rng, max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb)
+    began = time.perf_counter()
+    spec = worker_spec(cfg, plan, setup, dtype, reference)
+    launcher = None  # local: processes of this one
+    if p.launcher == "ray":  # Ray actors, each in a placement group bundle of its own, on any node of the cluster
+        from posttrain.rollout.workers.actors import RayLauncher
+
+        launcher = RayLauncher(spec, p.workers, address=cfg.ray.address, strategy=cfg.ray.strategy,
+                               max_restarts=r.max_worker_restarts, start_s=max(r.worker_timeout_s, START_S))
+    pool = WorkerPool(spec, p.workers, cpus=[list(c) for c in p.worker_cpus] if p.worker_cpus is not None else None,
+                      shared_rng=p.shared_rng, max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb,
+                      launcher=launcher)
+    pool.start_s = time.perf_counter() - began  # joining the cluster and placing the bundles included (Ray)
+    return pool
 
 
 def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,

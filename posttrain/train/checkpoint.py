@@ -57,7 +57,8 @@ STEP_DIR = re.compile(r"step_(\d+)")
 # Keys a resumed run may change: how long it runs and how often it saves. Not eval.*: eval.num_problems sets the
 # held-out rows (and so the training rows) without data.test_path, and sampled evaluation draws from the generators.
 MAY_CHANGE = ("description", "output_dir", "overwrite", "resume", "report_to", "train.steps", "train.save_every",
-              "train.keep_checkpoints", "warmup.cache_dir")
+              "train.keep_checkpoints", "warmup.cache_dir",
+              "ray.address")
 
 
 class Checkpoints:

@@ -69,6 +69,7 @@ class Rollout:
 
     engine: str  # rollout.engine
     placement: str  # colocated, or separate (worker processes)
+    launcher: str  # what starts the workers: local (processes of the first training process), ray (Ray actors)
     workers: int  # worker processes (0 when colocated)
     worker_threads: int  # each worker's threads (0 when colocated)
     worker_cpus: tuple[tuple[int, ...], ...] | None  # each worker's cores, where every worker and the trainer get
@@ -262,8 +263,11 @@ def _rollout(cfg: RunConfig, plugin, machine: Machine) -> Rollout:
     colocated = not separate and engine.colocated
     weight_sync = "none" if colocated else "adapter" if takes_adapter else "merged" if lora else "full"
     threads, cpus = worker_cores(r, machine) if separate else (0, None)
+    if r.launcher == "ray":  # Ray places each worker on a node of its choosing: its bundle reserves the CPUs
+        cpus = None
     proximal, cap = correction(r, plugin)
-    return Rollout(engine=r.engine, placement=r.placement, workers=r.workers if separate else 0,
+    return Rollout(engine=r.engine, placement=r.placement, launcher=r.launcher if separate else "local",
+                   workers=r.workers if separate else 0,
                    worker_threads=threads, worker_cpus=cpus, shared_workers=separate and machine.world_size > 1,
                    shared_rng=separate and r.max_staleness == 0 and r.workers == 1, weight_sync=weight_sync,
                    max_staleness=r.max_staleness, proximal=proximal, tis_mode=r.tis_mode, tis_cap=cap,

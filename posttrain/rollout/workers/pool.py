@@ -23,13 +23,15 @@ from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
 from posttrain.rollout.base import Workers, counts, get
-from posttrain.rollout.workers.process import serve, unpack
+from posttrain.rollout.workers.process import gloo_group, serve, unpack
 from posttrain.rollout.workers.spec import POLL_S, START_S, WorkerSpec, one_line, prefix, scoring_rows
 
 
 @dataclass
-class Worker:
-    """One worker process and its channels, as the trainer holds them."""
+class LocalWorker:
+    """One worker process of the training process (rollout.launcher=local) and its channels, as the trainer holds
+    them. Every launcher's worker answers the same calls (`hello`, `ready`, `send`, `announce`, `poll`, `gone`,
+    `kill`, `stop`)."""
 
     index: int
     incarnation: int
@@ -40,15 +42,105 @@ class Worker:
     group: Any = None  # the gloo group of two, once connected
     pid: int | None = None
     attention: str | None = None  # what its engine samples with, as the worker reported it
+    node: str | None = None  # the node it runs on, where a launcher places workers on several (Ray's node id)
+
+    @property
+    def who(self) -> str:
+        return f"rollout worker {self.index} (pid {self.pid or self.process.pid})"
+
+    def _wait(self, kind: str, what: str, limit: float) -> tuple:
+        """The worker's next message of `kind`; an error, its death or the time-out raise."""
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                message = self.replies.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise TrainingError(f"{self.who} exited (code {self.process.exitcode}) before {what}") from None
+                if time.monotonic() > deadline:
+                    raise TrainingError(f"{self.who} did not {what} within {limit:g} s") from None
+                continue
+            if message[0] == "error":
+                raise TrainingError(f"{self.who} could not start: {message[2]}")
+            if message[0] == kind:
+                return message
+
+    def hello(self, limit: float) -> int:
+        """Waits for the process to start (imports); its pid."""
+        self.pid = self._wait("hello", "start", limit)[1]
+        return self.pid
+
+    def ready(self, limit: float) -> str:
+        """Waits for its engine to load; the attention it samples with."""
+        self.attention = self._wait("ready", "load its engine", limit)[2]
+        return self.attention
+
+    def send(self, message: tuple) -> None:
+        self.requests.put(message)
+
+    def announce(self, version: int, layout: list) -> None:
+        self.inbox.put((version, layout))
+
+    def poll(self, timeout: float) -> tuple | None:
+        try:
+            return self.replies.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def gone(self) -> str | None:
+        """Why it is no longer there (None: alive)."""
+        return None if self.process.is_alive() else f"died (exit code {self.process.exitcode})"
 
     def kill(self) -> None:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=10)
 
-    @property
-    def who(self) -> str:
-        return f"rollout worker {self.index} (pid {self.pid or self.process.pid})"
+    def stop(self) -> None:
+        self.requests.put(None)
+        self.inbox.put(None)
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout=timeout)
+
+
+class LocalLauncher:
+    """rollout.launcher=local: each worker a process the training process spawns on its own machine (torch
+    multiprocessing), on the cores the plan gives it."""
+
+    name = "local"
+    host = "127.0.0.1"  # where the workers reach the trainer's store
+    device_host = None  # gloo binds the address the host name resolves to
+
+    def __init__(self, spec: WorkerSpec, cpus: list[list[int]] | None):
+        self.spec, self.cpus = spec, cpus
+        self._context = torch.multiprocessing.get_context("spawn")
+
+    def spawn(self, index: int, incarnation: int, port: int, started: list | None = None) -> LocalWorker:
+        """Starts worker `index`'s process (added to `started` as soon as it runs, so that a Ctrl-C arriving as
+        SIGINT is unblocked leaves no worker that the caller's clean-up does not know of)."""
+        ctx = self._context
+        requests, inbox, replies = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        process = ctx.Process(target=serve, name=f"posttrain-rollout-{index}", daemon=False, args=(
+            self.spec, index, incarnation, port, self.cpus[index] if self.cpus else None, requests, inbox, replies))
+        # The new process inherits this thread's signal mask through fork and exec: with SIGINT blocked, a Ctrl-C
+        # while it starts (imports torch, unpickles `serve`'s arguments) waits until `serve` ignores it, rather than
+        # stopping it with a traceback. This process still takes the interrupt, in another thread or once unblocked.
+        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+            worker = LocalWorker(index, incarnation, process, requests, inbox, replies)
+            if started is not None:
+                started.append(worker)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+        return worker
+
+    def report(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -100,12 +192,14 @@ class WorkerPool(Workers):
             a run at max_staleness 0 samples the same tokens; False: each worker has its own stream from `spec.seed`.
         max_restarts: restarts of one worker before the run stops.
         bucket_mb: the bound of one weight bucket.
+        launcher: what starts and watches the workers: a `LocalLauncher` (the default: processes of this one), or
+            posttrain.rollout.workers.actors.RayLauncher (Ray actors in a placement group).
     """
 
     colocated = False
 
     def __init__(self, spec: WorkerSpec, workers: int, *, cpus: list[list[int]] | None, shared_rng: bool,
-                 max_restarts: int, bucket_mb: float):
+                 max_restarts: int, bucket_mb: float, launcher=None):
         if shared_rng and workers != 1:
             raise ValueError("WorkerPool: a shared generator needs exactly one worker")
         self.spec, self.name, self.cpus, self.shared_rng = spec, spec.engine, cpus, shared_rng
@@ -120,10 +214,13 @@ class WorkerPool(Workers):
         self.rng = [torch.Generator().manual_seed(spec.seed * 7919 + i + 1).get_state() for i in range(workers)]
         self._ids, self.calls = itertools.count(), 0  # request ids; generate calls made
         self._requests, self._weights = threading.Lock(), threading.RLock()
-        self._context = torch.multiprocessing.get_context("spawn")
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self.workers: list[Worker] = []
+        self.launcher = launcher or LocalLauncher(spec, cpus)
+        self.store = dist.TCPStore(self.launcher.host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=self.timeout)
+        self.workers: list = []
         self.closed = False
+        self.start_s, self.push_bytes = 0.0, 0  # seconds the workers took to start (set by who starts them); the
+        # bytes of one push to one worker
         atexit.register(_close, weakref.ref(self))
         started = []  # bound before the first start: a Ctrl-C in `_spawn` comes to the clean-up below
         try:
@@ -135,54 +232,21 @@ class WorkerPool(Workers):
         except BaseException:
             for w in started:
                 w.kill()
+            self.launcher.close()
             raise
 
     # -- processes --------------------------------------------------------------------------------------------
-    def _spawn(self, index: int, incarnation: int, started: list[Worker] | None = None) -> Worker:
-        """Starts worker `index`'s process (added to `started` as soon as it runs, so that a Ctrl-C arriving as
-        SIGINT is unblocked leaves no worker that the caller's clean-up does not know of)."""
-        ctx = self._context
-        requests, inbox, replies = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        process = ctx.Process(target=serve, name=f"posttrain-rollout-{index}", daemon=False, args=(
-            self.spec, index, incarnation, self.store.port, self.cpus[index] if self.cpus else None, requests, inbox,
-            replies))
-        # The new process inherits this thread's signal mask through fork and exec: with SIGINT blocked, a Ctrl-C
-        # while it starts (imports torch, unpickles `serve`'s arguments) waits until `serve` ignores it, rather than
-        # stopping it with a traceback. This process still takes the interrupt, in another thread or once unblocked.
-        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            process.start()
-            worker = Worker(index, incarnation, process, requests, inbox, replies)
-            if started is not None:
-                started.append(worker)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
-        return worker
+    def _spawn(self, index: int, incarnation: int, started: list | None = None):
+        return self.launcher.spawn(index, incarnation, self.store.port, started)
 
-    def _wait(self, w: Worker, kind: str, what: str) -> tuple:
-        """The worker's next message of `kind` (its start: imports and the model's load, given at least
-        START_S); an error, its death or the time-out raise."""
+    def _connect(self, w) -> None:
+        """Waits for `w` to start (imports and the model's load, given at least START_S), joining its weights group
+        as it does."""
         limit = max(self.spec.timeout_s, START_S)
-        deadline = time.monotonic() + limit
-        while True:
-            try:
-                message = w.replies.get(timeout=POLL_S)
-            except queue.Empty:
-                if not w.process.is_alive():
-                    raise TrainingError(f"{w.who} exited (code {w.process.exitcode}) before {what}") from None
-                if time.monotonic() > deadline:
-                    raise TrainingError(f"{w.who} did not {what} within {limit:g} s") from None
-                continue
-            if message[0] == "error":
-                raise TrainingError(f"{w.who} could not start: {message[2]}")
-            if message[0] == kind:
-                return message
-
-    def _connect(self, w: Worker) -> None:
-        w.pid = self._wait(w, "hello", "start")[1]
-        w.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix(w.index, w.incarnation), self.store), 0, 2,
-                                        self.timeout)
-        w.attention = self._wait(w, "ready", "load its engine")[2]
+        w.hello(limit)
+        w.group = gloo_group(dist.PrefixStore(prefix(w.index, w.incarnation), self.store), 0, self.timeout,
+                             self.launcher.device_host)
+        w.ready(limit)
 
     def _restart(self, index: int, incarnation: int, why: str) -> None:
         """Replaces worker `index` (if still incarnation `incarnation`: another thread may have done it) by a new
@@ -306,9 +370,9 @@ class WorkerPool(Workers):
         w = self.workers[r.worker]
         r.incarnation = w.incarnation
         if r.rows is not None:
-            w.requests.put((r.id, "score", r.rows))
+            w.send((r.id, "score", r.rows))
         else:
-            w.requests.put((r.id, "sample", (r.prompts, r.n, r.sampling, r.min_version, r.rng)))
+            w.send((r.id, "sample", (r.prompts, r.n, r.sampling, r.min_version, r.rng)))
 
     def _answer(self, r: Request) -> tuple:
         deadline = time.monotonic() + self.spec.timeout_s
@@ -320,14 +384,12 @@ class WorkerPool(Workers):
                 self._send(r)
                 deadline = time.monotonic() + self.spec.timeout_s
                 continue
-            try:
-                message = w.replies.get(timeout=POLL_S)
-            except queue.Empty:
-                why = None
-                if not w.process.is_alive():
-                    why = f"died (exit code {w.process.exitcode})"
-                elif time.monotonic() > deadline:
-                    why = f"did not answer a sampling request within {self.spec.timeout_s:g} s (rollout.worker_timeout_s)"
+            message = w.poll(POLL_S)
+            if message is None:
+                why = w.gone()
+                if why is None and time.monotonic() > deadline:
+                    why = (f"did not answer a sampling request within {self.spec.timeout_s:g} s "
+                           "(rollout.worker_timeout_s)")
                 if why:
                     self._restart(r.worker, r.incarnation, why)
                 continue
@@ -338,7 +400,10 @@ class WorkerPool(Workers):
 
     def report(self) -> dict:
         return {"workers": len(self.workers), "pids": self.pids(), "attention": self.attentions(),
-                "requests": self.calls, "restarts": self.restarts}
+                "requests": self.calls, "restarts": self.restarts, "launcher": self.launcher.name,
+                "start_s": round(self.start_s, 3), "push_mib": round(self.push_bytes / 2**20, 4),
+                **self.launcher.report(), **({"nodes": [w.node for w in self.workers]}
+                                            if any(w.node for w in self.workers) else {})}
 
     def pids(self) -> list[int]:
         """The live workers' process ids."""
@@ -383,10 +448,11 @@ class WorkerPool(Workers):
                     self._restart(w.index, w.incarnation, f"did not take weights version {version} "
                                   f"({one_line(err)[:160]})")
             self.pushed = version
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        self.push_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
+        return self.push_bytes
 
-    def _push_to(self, w: Worker, version: int) -> None:
-        w.inbox.put((version, self.layout))
+    def _push_to(self, w, version: int) -> None:
+        w.announce(version, self.layout)
         for i, buf in enumerate(self.buffers):
             w.group.broadcast(buf, 0, self.timeout).wait()
             if i == 0:
@@ -412,11 +478,11 @@ class WorkerPool(Workers):
         self.closed = True
         workers, self.workers = self.workers, []
         for w in workers:
-            w.requests.put(None)
-            w.inbox.put(None)
+            w.stop()
         for w in workers:
-            w.process.join(timeout=10)
+            w.join(timeout=10)
             w.kill()
+        self.launcher.close()
 
 
 def _close(ref) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import os
 import queue
 import signal
@@ -61,12 +60,13 @@ def unpack(layout: list, buffers: list[torch.Tensor]) -> Iterable[tuple[str, tor
             yield name, buf[offset : offset + numel].view(shape)
 
 
-def fault(kind: str, count: int, incarnation: int) -> None:
-    """Fault injection ($POSTTRAIN_WORKER_FAULT=kind:count) for the worker-death and hang tests."""
+def fault(kind: str, count: int, incarnation: int, kill=None) -> None:
+    """Fault injection ($POSTTRAIN_WORKER_FAULT=kind:count) for the worker-death and hang tests: `kill` ends this
+    worker (default: SIGKILL to its process; a Ray actor has Ray kill it), after which it hangs until it is gone."""
     if incarnation == 0 and os.environ.get(FAULT) == f"{kind}:{count}":
         if kind.startswith("die"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang
+            (kill or (lambda: os.kill(os.getpid(), signal.SIGKILL)))()
+        while True:  # hang (or wait to be killed)
             time.sleep(3600)
 
 
@@ -125,6 +125,77 @@ def reference_logprobs(model: torch.nn.Module | None, batch: Batch, rows: int, t
     return out
 
 
+class Core:
+    """What a worker holds and does, whatever carries its messages (queues of the training process's spawned
+    processes here, Ray's calls in posttrain.rollout.workers.actors): its weights group, its engine and reference, the
+    staging of pushed weights, and the answers to requests."""
+
+    def __init__(self, spec: WorkerSpec, index: int, incarnation: int, cpus: list[int] | None, kill=None):
+        self.spec, self.index, self.incarnation, self.kill = spec, index, incarnation, kill
+        self.timeout = datetime.timedelta(seconds=spec.timeout_s)
+        forget_launcher()  # an engine that reads torchrun's variables (vLLM) would take it for a training process
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(spec.threads)
+        self.mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
+        self.served = self.scored = self.pushes = 0
+        self.idle_since = time.perf_counter()
+
+    def connect(self, host: str, port: int, device_host: str | None = None) -> str:
+        """Joins the weights group of two over the trainer's store at `host`:`port`, builds the engine and the
+        reference; returns the attention it samples with."""
+        store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
+        self.group = gloo_group(dist.PrefixStore(prefix(self.index, self.incarnation), store), 1, self.timeout,
+                                device_host)
+        self.engine, attention = start_engine(self.spec)
+        self.reference = load_reference(self.spec)
+        self.staging = Staging(self.engine)
+        return attention
+
+    def take(self, version: int, layout: list) -> None:
+        """One weight push, into the staging copy (on the receiving thread)."""
+        self.pushes += 1
+        fault("die_weights", self.pushes, self.incarnation, self.kill)
+        fault("hang_weights", self.pushes, self.incarnation, self.kill)
+        self.staging.receive(self.group, version, layout, self.timeout)
+
+    def answer(self, rid: int, kind: str, payload) -> tuple:
+        """The reply to one request: a sampled batch, reference scores, or a one-line error."""
+        idle = time.perf_counter() - self.idle_since
+        self.served += 1
+        fault("die", self.served, self.incarnation, self.kill)
+        fault("hang", self.served, self.incarnation, self.kill)
+        spec = self.spec
+        try:
+            with torch.autocast("cpu", dtype=self.mixed) if self.mixed else contextlib.nullcontext():
+                if kind == "score":
+                    self.scored += 1
+                    fault("die_scoring", self.scored, self.incarnation, self.kill)
+                    return ("scores", rid, reference_logprobs(self.reference, payload, spec.micro, spec.micro_tokens,
+                                                              spec.packing), idle)
+                prompts, n, sampling, min_version, rng = payload
+                version = self.staging.apply(min_version, spec.timeout_s)
+                torch.set_rng_state(rng)
+                batch = self.engine.generate(prompts, n, **sampling)
+                return ("batch", rid, batch, version, torch.get_rng_state(), idle)
+        except Exception as err:  # noqa: BLE001 - a sampling error is the run's, not the worker's
+            return ("error", rid, one_line(err))
+        finally:
+            self.idle_since = time.perf_counter()
+
+
+def gloo_group(store, rank: int, timeout: datetime.timedelta, host: str | None = None):
+    """The weights group of two over `store`. On one machine gloo binds the address the host name resolves to; a
+    worker on another node binds `host`, its node's address as Ray knows it (GLOO_SOCKET_IFNAME, where set, names the
+    interface instead)."""
+    if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
 GONE = object()  # next_message's answer when the training process has exited
 
 
@@ -138,17 +209,16 @@ def next_message(messages, parent: int):
                 return GONE
 
 
-def receive(group, inbox, staging: Staging, parent: int, timeout: datetime.timedelta, incarnation: int) -> None:
+def receive(core: Core, inbox, parent: int) -> None:
     """The receiver thread: takes each pushed version into the staging buffers."""
-    for pushes in itertools.count(1):
+    while True:
         message = next_message(inbox, parent)
         if message is GONE:
             os._exit(0)
         if message is None:
             return
-        fault("hang_weights", pushes, incarnation)
         try:
-            staging.receive(group, *message, timeout)
+            core.take(*message)
         except Exception:  # the trainer gave up on this push and restarts this worker
             os._exit(3)
 
@@ -159,49 +229,20 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle (it stops this one)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by `_spawn` until now: a pending one drops
     parent = os.getppid()
-    forget_launcher()  # an engine that reads torchrun's variables (vLLM) would take this worker for a training process
     try:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(spec.threads)
+        core = Core(spec, index, incarnation, cpus)
         replies.put(("hello", os.getpid()))
-        timeout = datetime.timedelta(seconds=spec.timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix(index, incarnation), store), 1, 2, timeout)
-        engine, attention = start_engine(spec)
-        reference = load_reference(spec)
-        staging = Staging(engine)
-        threading.Thread(target=receive, args=(group, inbox, staging, parent, timeout, incarnation),
-                         daemon=True, name="posttrain-weights").start()
+        attention = core.connect("127.0.0.1", port)
+        threading.Thread(target=receive, args=(core, inbox, parent), daemon=True, name="posttrain-weights").start()
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which names this worker
         replies.put(("error", None, one_line(err)))
         return
     replies.put(("ready", os.getpid(), attention))
-    mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
-    idle_since, scored = time.perf_counter(), 0
-    for served in itertools.count(1):
+    while True:
         message = next_message(requests, parent)
         if message is None or message is GONE:
             leave(replies)
-        rid, kind, payload = message
-        idle = time.perf_counter() - idle_since
-        fault("die", served, incarnation)
-        fault("hang", served, incarnation)
-        try:
-            with torch.autocast("cpu", dtype=mixed) if mixed else contextlib.nullcontext():
-                if kind == "score":
-                    scored += 1
-                    fault("die_scoring", scored, incarnation)
-                    replies.put(("scores", rid, reference_logprobs(reference, payload, spec.micro, spec.micro_tokens, spec.packing), idle))
-                else:
-                    prompts, n, sampling, min_version, rng = payload
-                    version = staging.apply(min_version, spec.timeout_s)
-                    torch.set_rng_state(rng)
-                    batch = engine.generate(prompts, n, **sampling)
-                    replies.put(("batch", rid, batch, version, torch.get_rng_state(), idle))
-        except Exception as err:  # noqa: BLE001 - a sampling error is the run's, not the worker's
-            replies.put(("error", rid, one_line(err)))
-        idle_since = time.perf_counter()
+        replies.put(core.answer(*message))
 
 
 def leave(replies) -> None:

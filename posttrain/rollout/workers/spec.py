@@ -11,7 +11,8 @@ from posttrain.core.batch import Batch
 POLL_S = 1.0  # how often a waiting side looks whether the other is still alive
 START_S = 300.0  # the least time a worker is given to start (import torch, load the model, start its engine)
 FAULT = "POSTTRAIN_WORKER_FAULT"  # fault injection for the tests: die:N, hang:N (the N-th request), die_scoring:N
-# (the N-th reference scoring request) or hang_weights:N (the N-th weight push), in a worker's first incarnation only
+# (the N-th reference scoring request), die_weights:N or hang_weights:N (the N-th weight push), in a worker's first
+# incarnation only
 
 
 @dataclass(frozen=True)
