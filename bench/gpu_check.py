@@ -22,6 +22,11 @@ when another fails:
    `posttrain.apps.estimate.estimate` (gradient checkpointing off, as posttrain trains).
 4. decode: posttrain's HF rollout engine (`posttrain/rollout/hf.py`) on the trained precision, 64 sequences × 128
    new tokens, one untimed call first.
+5. push: one rollout worker (`rollout.placement=separate`) on the GPU and the trainer beside it, which pushes the
+   model's weights 4 times as a run does after each step (the first lays the buckets out), then has it sample once:
+   the worker's start-up, the MiB pushed and the median push time of the last 3. With two GPUs or more the weights
+   go from GPU 0 to the worker's over NCCL; with one, over gloo from CPU buckets (NCCL cannot pair two processes on
+   one GPU); under `--smoke`, to a CPU worker over gloo.
 
 `--out` (default gpu_check.json) gets: the device (name, torch and CUDA versions, `torch.cuda.get_device_properties`);
 per backend the run's summary (`backend`, `world_size`, ...), medians over the steps after the first of
@@ -111,6 +116,7 @@ class Record:
     model: dict = field(default_factory=dict)
     backends: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
+    push: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
 
     def step(self, name: str, fn, into: dict):
@@ -224,7 +230,55 @@ def device_info() -> dict:
             "bf16_supported": torch.cuda.is_bf16_supported(), "properties": plain}
 
 
-WORKERS = {"build": build_model, "decode": time_decode}
+def time_push(model: Path, s: Settings) -> dict:
+    """One rollout worker (rollout.placement=separate) on the GPU, started as a run starts it, and the trainer beside
+    it pushing the model's weights as a run does after each step: `pushes` numbered versions in 64 MiB buckets, each
+    timed to the worker's having every bucket, then one sampling request on the last version. With two GPUs or more the
+    trainer's weights sit on GPU 0 and go to the worker's (the last) over NCCL; with one, the worker shares it and they
+    go over gloo from CPU buckets, as from a trainer on CPU; with none (--smoke), a CPU worker over gloo."""
+    import torch
+
+    from posttrain.models.loading import load, stop_token_ids
+    from posttrain.rollout.workers import WorkerPool, WorkerSpec
+    from posttrain.schema import RolloutConfig, weights_dtype
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    transport = "nccl" if devices >= 2 else "gloo"
+    trainer = torch.device("cuda", 0) if devices else torch.device("cpu")
+    if devices:
+        torch.cuda.set_device(trainer)
+    dtype = weights_dtype(s.precision, trained=True)
+    policy, tok = load(model, dtype=dtype)
+    policy.to(trainer)
+    spec = WorkerSpec(engine="hf", model_path=str(model), dtype=str(dtype).removeprefix("torch."), precision=s.precision,
+                      lora=None, sampling=RolloutConfig(max_new_tokens=s.max_new_tokens), pad_id=tok.pad_token_id,
+                      stop_ids=tuple(stop_token_ids(policy, tok)), seed=s.seed, max_seqs=s.batch * s.group, threads=1,
+                      timeout_s=120.0, gpus=1 if devices else 0, transport=transport)
+    t0 = time.perf_counter()
+    pool = WorkerPool(spec, 1, cpus=None, shared_rng=False, max_restarts=0, bucket_mb=64.0,
+                      gpus=[[devices - 1]] if devices else None)
+    start_s = time.perf_counter() - t0
+    try:
+        seconds = []
+        for _ in range(4):  # the first lays the buckets out (and copies every weight once more)
+            t0 = time.perf_counter()
+            pool.load_weights((name, p.detach()) for name, p in policy.named_parameters())  # as a run sends them
+            pool.version += 1
+            seconds.append(time.perf_counter() - t0)
+        prompts = task_prompts(model, s)[: s.batch]
+        batch = pool.generate(prompts, s.group, max_new_tokens=s.max_new_tokens)
+        report = pool.report()
+    finally:
+        pool.close()
+    mib = report["push_mib"]
+    steady = statistics.median(seconds[1:])
+    return {"transport": transport, "trainer_device": str(trainer), "worker_device": report["devices"][0],
+            "worker_start_s": start_s, "push_mib": mib, "push_seconds": seconds, "push_median_s": steady,
+            "mib_per_s": mib / steady, "sampled_rows": len(batch), "sampled_version": int(batch.version.max()),
+            "restarts": report["restarts"]}
+
+
+WORKERS = {"build": build_model, "decode": time_decode, "push": time_push}
 
 
 # -- the driver -------------------------------------------------------------------------------------------------
@@ -340,6 +394,11 @@ def summary_lines(rec: Record, out: Path, seconds: float) -> list[str]:
         x = rec.decode
         lines.append(f"decode (HF loop): {x['sequences']} x {x['max_new_tokens']} tokens: {x['generated_tokens']:.0f} "
                      f"tokens in {x['decode_seconds']:.2f} s = {x['tokens_per_s']:,.0f} tok/s")
+    if rec.push.get("ok"):
+        x = rec.push
+        lines.append(f"weight push to a rollout worker on {x['worker_device']} from {x['trainer_device']} over "
+                     f"{x['transport']}: {x['push_mib']:,.1f} MiB in {x['push_median_s']:.3f} s (median of 3 after "
+                     f"the first) = {x['mib_per_s']:,.0f} MiB/s; worker started in {x['worker_start_s']:.1f} s")
     verdict = "ok" if not rec.errors else f"{len(rec.errors)} failed: {', '.join(e['step'] for e in rec.errors)}"
     lines.append(f"wrote {out} in {seconds:.0f} s: {verdict}")
     return lines
@@ -381,6 +440,7 @@ def check(args: argparse.Namespace) -> int:
                 rec.step(f"estimate:{backend}", lambda x=backend, b=b: compare_estimate(model, s, x, prompt_len, b),
                          b["estimate"])
             rec.step("decode", lambda: worker("decode", model, s, work / "decode.log", timeout, env), rec.decode)
+            rec.step("push", lambda: worker("push", model, s, work / "push.log", timeout, env), rec.push)
     finally:
         seconds = time.perf_counter() - t_start
         data = {"ok": not rec.errors, "wall_seconds": round(seconds, 1), "workdir": str(work) if args.workdir else None,

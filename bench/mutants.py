@@ -55,7 +55,9 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/core/threads.py": ["tests/test_threads.py"],
          "posttrain/stages/__init__.py": ["tests/test_online.py", "tests/test_stage_pass_rates.py"],
          "posttrain/train/plan.py": ["tests/test_plan.py", "tests/test_explain.py", "tests/test_async.py"],
-         "posttrain/rollout/workers/process.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows"],
+         "posttrain/rollout/workers/process.py": ["tests/test_async.py::test_a_workers_reference_scoring_puts_each_micro_batch_back_in_its_rows",
+                                                  "tests/test_async.py::test_a_push_that_fails_or_hangs_half_way_never_reaches_the_engine"],
+         "posttrain/rollout/workers/pool.py": ["tests/test_async.py::test_staleness_0_is_the_colocated_run_byte_for_byte"],
          "posttrain/rollout/workers/actors.py": ["tests/test_ray.py"], "posttrain/train/build.py": ["tests/test_ray.py"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
@@ -134,6 +136,14 @@ MUTANTS = [
       "micro.split(batch.lengths(), 1, rows, tokens, packed)", "micro.split(batch.lengths(), 1, rows, None, packed)"),
     m("worker-scoring-ignores-packing", "posttrain/rollout/workers/process.py", "reference_logprobs",
       "the workers' reference scoring never packs", "packed = packing and packs(model)", "packed = False"),
+    # a weight push's watchdog (a NCCL broadcast cannot time out by itself): left out on the trainer's side, a hung
+    # push waits for gloo's own time-out (twice the bound); on the worker's, half a push counts as a version
+    m("push-without-watchdog", "posttrain/rollout/workers/pool.py", "WorkerPool._push_to",
+      "the trainer waits for a push's collectives in its own thread, unbounded",
+      'bounded(send, self.spec.timeout_s, f"pushing weights version {version}")', "send()"),
+    m("staging-keeps-half-push", "posttrain/rollout/workers/process.py", "Staging.receive",
+      "a version that arrives half way still counts as the last complete one",
+      "            self.staged = self.applied  # a complete version", "            pass  # a complete version"),
     # rollout.launcher=ray (tests/test_ray.py, a simulated cluster of three nodes): the launcher silently local, the
     # tests' faults never reaching the actors, a hung actor left alive (the trainer waits out its start-up bound)
     m("ray-launcher-ignored", "posttrain/train/build.py", "start_workers", "rollout.launcher=ray starts local workers",

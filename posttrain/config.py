@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from posttrain.core import threads
+from posttrain.core import launch, threads
 from posttrain.core.errors import ConfigError
 from posttrain.core.frozen import freeze
 from posttrain.schema import (  # noqa: F401  (re-exported: the schema is part of what `posttrain.config` offers)
@@ -212,6 +212,9 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     from posttrain import algorithms, stages  # the plugins, and torch: once the other groups are valid, a bad key
     from posttrain.data import curriculum, difficulty  # answers fast
 
+    r = cfg.rollout
+    if r.placement == "separate" and r.launcher == "local" and r.gpus:  # before a warm-up: the machine cannot serve it
+        launch.worker_gpus(r.workers, r.gpus, launch.cuda_devices(), launch.local_world())
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
     check_normalize(cfg, plugin)

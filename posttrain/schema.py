@@ -338,6 +338,10 @@ class Placement(Freezable):
     worker_threads: int = 0
     """separate: compute threads (and cores, where there are enough) of each worker; 0: the usable cores shared
     evenly between the workers and the trainer. Under launcher=ray, the CPUs each worker's bundle reserves."""
+    gpus: int = 0
+    """separate: GPUs of each rollout worker's own (0: it samples on CPU cores; 1: on a GPU, the hf engine). local:
+    the workers take the machine's last GPUs, which the training processes leave them; ray: each bundle reserves
+    them. Weights go over NCCL from a trainer on a GPU (gloo from one on CPU), each push watched by a time-out."""
     worker_timeout_s: float = 600.0
     """separate: a weight push or a sampling request a worker has not answered within this many seconds counts as
     hung: the worker is killed and started again, and its prompts are sent again."""
@@ -360,7 +364,8 @@ class Placement(Freezable):
     def check(self):
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"placement: unknown {self.placement!r}; known: {', '.join(PLACEMENTS)}")
-        for key, low in (("max_staleness", 0), ("workers", 1), ("worker_threads", 0), ("max_worker_restarts", 0)):
+        for key, low in (("max_staleness", 0), ("workers", 1), ("worker_threads", 0), ("max_worker_restarts", 0),
+                         ("gpus", 0)):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key}: must be ≥ {low} (got {getattr(self, key)})")
         for key in ("worker_timeout_s", "weight_bucket_mb"):
@@ -370,6 +375,12 @@ class Placement(Freezable):
             raise ConfigError(f"reference_on: unknown {self.reference_on!r}; known: {', '.join(REFERENCE_ON)}")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher: unknown {self.launcher!r}; known: {', '.join(LAUNCHERS)}")
+        if self.gpus > 1:
+            raise ConfigError(f"gpus: one GPU a worker for now (got {self.gpus}); several need vLLM's tensor "
+                              "parallelism, which the workers do not run yet: give rollout.workers instead")
+        if self.gpus and self.engine != "hf":
+            raise ConfigError(f"gpus: workers on GPUs run the hf engine for now (got engine={self.engine}): vLLM "
+                              "on a worker's GPU would take weights through its own NCCL transfer, not wired yet")
         if self.placement == "colocated":
             moved = [f.name for f in dataclasses.fields(Placement)
                      if f.name != "placement" and getattr(self, f.name) != f.default]

@@ -11,6 +11,8 @@ import importlib.util
 import json
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from cli_helpers import assert_one_line_error, posttrain, posttrain_here
 from conftest import EASY
 
 from posttrain.rollout.workers import FAULT, Layout
+from posttrain.rollout.workers.spec import bounded
 
 RUN = ["recipe=grpo_math", "train.threads=1", "train.steps=4", "train.batch_size=2", "algorithm.group_size=4",
        "rollout.max_new_tokens=8", "eval.num_problems=4", *EASY, "-q"]
@@ -70,6 +73,9 @@ def test_staleness_0_is_the_colocated_run_byte_for_byte(warm_model_dir, colocate
     if fault:
         assert "posttrain: rollout worker 0 (pid" in separate.stderr and "restarted as pid" in separate.stderr
         assert metrics(out)[-1]["rollout/worker_restarts"] == 1.0
+    if fault == "hang_weights:2":  # the second push (version 1), stopped by its watchdog at the bound (gloo's own
+        # time-out is twice it)
+        assert "pushing weights version 1 did not finish within 4 s" in separate.stderr
     assert [m["staleness/max"] for m in metrics(out)] == [0.0] * 4
     assert weights(out) == colocated
 
@@ -341,6 +347,75 @@ def test_workers_are_told_to_sample_with_the_trainers_attention(tiny_model_dir, 
     assert (spec.micro, spec.micro_tokens, spec.packing) == (3, 64, True)
 
 
+def test_a_collective_past_its_bound_is_left_to_its_thread():
+    """A push's collectives run on a thread of their own (a NCCL broadcast cannot time out by itself): the caller
+    gets a TimeoutError at the bound, not a wait as long as the collective's, and what the collective raised."""
+    gate = threading.Event()
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="pushing weights version 3 did not finish within 0.3 s"):
+        bounded(gate.wait, 0.3, "pushing weights version 3")
+    assert time.monotonic() - began < 2
+    gate.set()
+
+    def broken():
+        raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        bounded(broken, 5, "a push")
+
+
+class FakeGroup:
+    """A weights group whose broadcast fills each bucket with `value`, fails at bucket `fail` or never returns from
+    bucket `hang` (counting from 1)."""
+
+    def __init__(self, value, fail=None, hang=None):
+        self.value, self.fail, self.hang, self.calls = value, fail, hang, 0
+
+    def broadcast(self, buf, root, timeout):
+        self.calls += 1
+        if self.calls == self.fail:
+            raise RuntimeError("Connection reset by peer")
+        if self.calls == self.hang:
+            threading.Event().wait()
+        buf.fill_(self.value)
+        return self
+
+    def wait(self):
+        return True
+
+
+def test_a_push_that_fails_or_hangs_half_way_never_reaches_the_engine():
+    """The worker's side: a version counts only once every bucket of it arrived. One that fails or times out half
+    way is discarded, and so is the complete one it was overwriting, so the engine keeps the weights it has."""
+    import datetime
+
+    from posttrain.rollout.workers.process import Staging
+
+    class Engine:
+        loads = []
+
+        def load_weights(self, weights):
+            self.loads.append({name: t.clone() for name, t in weights})
+
+    engine, timeout = Engine(), datetime.timedelta(seconds=5)
+    layout = Layout.of([("a", torch.zeros(4)), ("b", torch.zeros(4))], bucket_bytes=16).buckets
+    assert len(layout) == 2
+    staging = Staging(engine)
+    staging.receive(FakeGroup(1.0), 1, layout, timeout, 5)
+    assert staging.apply(1, 1) == 1 and float(engine.loads[-1]["b"].sum()) == 4.0
+    staging.receive(FakeGroup(2.0), 2, layout, timeout, 5)  # complete, not swapped in yet
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        staging.receive(FakeGroup(3.0, fail=2), 3, layout, timeout, 5)
+    assert staging.apply(1, 1) == 1 and len(engine.loads) == 1  # neither 2 (overwritten) nor half of 3
+    with pytest.raises(TimeoutError, match="taking weights version 4 did not finish within 0.3 s"):
+        staging.receive(FakeGroup(4.0, hang=2), 4, layout, timeout, 0.3)
+    assert staging.apply(1, 1) == 1 and len(engine.loads) == 1
+    with pytest.raises(TimeoutError, match="weights version 2 did not arrive"):
+        staging.apply(2, 0.2)
+    staging.receive(FakeGroup(5.0), 5, layout, timeout, 5)
+    assert staging.apply(2, 1) == 5 and float(engine.loads[-1]["a"].sum()) == 20.0
+
+
 def test_weights_travel_in_bounded_buckets():
     tensors = [("a", torch.zeros(100)), ("b", torch.zeros(100)), ("c", torch.zeros(300)), ("d", torch.zeros(10,
                                                                                                      dtype=torch.bfloat16))]
@@ -363,6 +438,18 @@ def test_weights_travel_in_bounded_buckets():
      "rollout.reference_on: unknown 'gpu'"),
     (["recipe=dpo_math", "rollout.placement=separate", "rollout.reference_on=workers"],
      "rollout.reference_on: workers score the batches they sample for the online methods"),
+    (["recipe=grpo_math", "rollout.launcher=ray"], "rollout.launcher: applies to rollout.placement=separate"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.launcher=slurm"], "rollout.launcher: unknown 'slurm'"),
+    (["recipe=grpo_math", "rollout.placement=separate", "ray.address=10.0.0.1:6379"],
+     "ray.address: applies to rollout.launcher=ray (got launcher=local)"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.launcher=ray", "ray.strategy=pack"],
+     "ray.strategy: unknown 'pack'"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.gpus=2"], "rollout.gpus: one GPU a worker for now"),
+    (["recipe=grpo_math", "rollout.placement=separate", "rollout.gpus=1", "rollout.engine=vllm"],
+     "rollout.gpus: workers on GPUs run the hf engine for now"),
+    pytest.param(["recipe=grpo_math", "rollout.placement=separate", "rollout.gpus=1"],
+                 "rollout.gpus: this machine has no CUDA device", marks=pytest.mark.skipif(
+                     torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, args, fragment):
     assert_one_line_error(posttrain_here("run", *args, f"output_dir={tmp_path / 'out'}"), fragment)

@@ -125,3 +125,25 @@ def test_dpo_pairs_from_a_file_are_whole_units(tiny_model_dir, tmp_path):
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["plan"] == plan.run.to_dict() and metrics["micro_batches"] == 4 and metrics["updates"] == 1
     assert "generated_tokens" not in metrics  # nothing sampled
+
+
+@pytest.mark.parametrize("args, where", [
+    ([], {"trainer": "1 training process", "sampler": "in the training process, between updates"}),
+    (["rollout.placement=separate", "rollout.worker_threads=1", "rollout.reference_on=workers"],
+     {"rollout worker 0": "a process the first training process starts on its machine (rollout.launcher=local)",
+      "reference": "on each rollout worker"}),
+    (["rollout.placement=separate", "rollout.launcher=ray", "rollout.workers=2", "rollout.worker_threads=1",
+      "ray.strategy=STRICT_SPREAD"],
+     {"rollout worker 1": "a Ray actor in bundle 1 of a placement group of 2 bundles of {CPU: 1} "
+                          "(ray.strategy=STRICT_SPREAD)", "reference": "in the training processes"}),
+])
+def test_explain_says_where_each_role_runs(args, where):
+    """`posttrain explain` names where the trainer, the sampler or each rollout worker, and the reference run: a
+    worker process on this machine, or a Ray actor in its placement group bundle."""
+    cfg, _ = config.load("grpo_math", args)
+    placement = dict(explain.explain(cfg, "grpo_math").placement)
+    for role, words in where.items():
+        assert words in placement[role], (role, placement[role])
+    assert ("sampler" in placement) == (not args)  # colocated: no worker; separate: no sampler in the trainer
+    section = explain.render(explain.explain(cfg, "grpo_math")).split("Where each role runs:")[1]
+    assert all(f"\n  {role} " in section for role in where)

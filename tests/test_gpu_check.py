@@ -1,5 +1,6 @@
 """bench/gpu_check.sh --smoke: the GPU check's code path on CPU (tiny model, both backends, the estimate comparison,
-the decode timing), run from another directory, recording real figures in its JSON file."""
+the decode timing, a weight push to a rollout worker), run from another directory, recording real figures in its
+JSON file."""
 
 import json
 import os
@@ -40,3 +41,8 @@ def test_smoke_records_every_step(tmp_path):
     decode = rec["decode"]
     assert decode["ok"] and decode["engine"] == "hf" and decode["device"] == "cpu"
     assert decode["generated_tokens"] > 0 and decode["tokens_per_s"] > 0
+    push = rec["push"]  # a rollout worker beside the trainer (on CPU here), taking 4 pushes, then sampling once
+    assert push["ok"] and push["worker_device"] == "cpu" and push["transport"] == "gloo" and push["restarts"] == 0
+    assert push["push_mib"] > 0 and len(push["push_seconds"]) == 4 and push["mib_per_s"] > 0
+    assert push["sampled_rows"] > 0 and push["sampled_version"] == 3  # the worker sampled with the last push
+    assert "weight push to a rollout worker on cpu" in proc.stdout

@@ -73,6 +73,8 @@ def test_staleness_0_on_ray_is_the_colocated_run_byte_for_byte(warm_model_dir, c
     if fault:
         assert "posttrain: rollout worker 0 (pid" in proc.stderr and "restarted as pid" in proc.stderr
         assert metrics(out)[-1]["rollout/worker_restarts"] == 1.0
+    if fault == "hang_weights:2":  # the second push (version 1), stopped by its watchdog at the bound
+        assert "pushing weights version 1 did not finish within 6 s" in proc.stderr
     assert [m["staleness/max"] for m in metrics(out)] == [0.0] * 4
     assert weights(out) == colocated
 
@@ -141,8 +143,13 @@ def test_a_ray_worker_hung_in_sampling_is_timed_out(warm_model_dir, cluster, tmp
 
 
 def test_bundles_the_cluster_cannot_place_are_a_one_line_error(warm_model_dir, cluster, tmp_path):
-    """Three workers of one CPU each on a cluster of two, or two on one node (STRICT_PACK): refused in one line."""
-    proc = posttrain("run", "recipe=grpo_math", f"model.path={warm_model_dir}", f"output_dir={tmp_path / 'out'}",
-                     "train.steps=1", *on_ray(cluster, "rollout.workers=3"), "-q")
-    assert_one_line_error(proc, "rollout.workers: 3 bundle(s) of {'CPU': 1}", "do not fit", "nodes, of 1, 1, 0 CPUs")
-    assert not (tmp_path / "out").exists()
+    """Three workers of one CPU each on a cluster of two CPUs, or a worker on a GPU of its own on a cluster without
+    one (rollout.gpus: Ray's bundle asks for it): refused in one line, naming what the nodes hold."""
+    for extra, fragments in ((["rollout.workers=3"], ["rollout.workers: 3 bundle(s) of {'CPU': 1}",
+                                                      "nodes, of 1 CPUs, 1 CPUs, 0 CPUs"]),
+                             (["rollout.gpus=1"], ["rollout.workers: 1 bundle(s) of {'CPU': 1, 'GPU': 1}",
+                                                   "nodes, of 1 CPUs and 0 GPUs, 1 CPUs and 0 GPUs, 0 CPUs and 0 GPUs"])):
+        proc = posttrain("run", "recipe=grpo_math", f"model.path={warm_model_dir}", f"output_dir={tmp_path / 'out'}",
+                         "train.steps=1", *on_ray(cluster, *extra), "-q")
+        assert_one_line_error(proc, "do not fit", *fragments)
+        assert not (tmp_path / "out").exists()

@@ -234,17 +234,22 @@ def placement(cfg: RunConfig, run: RunPlan) -> list[tuple[str, str]]:
                        f"{threads}")]
     if r.placement != "separate":
         out.append(("sampler", "in the training process, between updates (rollout.placement=colocated)"))
+    gpus = cfg.rollout.gpus
+    weights = {"nccl": "; weights over NCCL from the trainer's GPU", "gloo": "; weights over gloo"}.get(r.transport, "")
     for i in range(r.workers):
         if r.launcher == "ray":
+            bundle = f"CPU: {r.worker_threads}" + (f", GPU: {gpus}" if gpus else "")
             where = (f"a Ray actor in bundle {i} of a placement group of {_n(r.workers, 'bundle')} of "
-                     f"{{CPU: {r.worker_threads}}} (ray.strategy={cfg.ray.strategy}), on the node Ray gives that "
+                     f"{{{bundle}}} (ray.strategy={cfg.ray.strategy}), on the node Ray gives that "
                      f"bundle in the cluster at ray.address={cfg.ray.address}; summary.json records each node")
         else:
             cores = (f"on core{'s' if len(r.worker_cpus[i]) > 1 else ''} {', '.join(map(str, r.worker_cpus[i]))}"
                      if r.worker_cpus else "on cores it shares")
+            device = (f", on GPU {', '.join(map(str, r.worker_gpus[i]))} (its CUDA_VISIBLE_DEVICES)"
+                      if r.worker_gpus else "")
             where = (f"a process the first training process starts on its machine (rollout.launcher=local), "
-                     f"{cores}, {_n(r.worker_threads, 'thread')}")
-        out.append((f"rollout worker {i}", where))
+                     f"{cores}, {_n(r.worker_threads, 'thread')}{device}")
+        out.append((f"rollout worker {i}", where + weights))
     reference = run.role("reference")
     if reference is not None:
         out.append(("reference", {"workers": "on each rollout worker, beside its sampler (rollout.reference_on="

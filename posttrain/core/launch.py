@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from posttrain.core.errors import ConfigError
+
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
@@ -21,3 +23,31 @@ def forget_launcher() -> None:
     """Removes the launcher's variables from this process's environment (and so from its children's)."""
     for key in LAUNCHER_ENV:
         os.environ.pop(key, None)
+
+
+def local_world() -> int:
+    """The training processes on this machine (LOCAL_WORLD_SIZE; 1 without a launcher): they use its first GPUs."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+
+
+def cuda_devices() -> int:
+    """The CUDA devices this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def worker_gpus(workers: int, gpus: int, devices: int, trainers: int) -> tuple[tuple[int, ...], ...]:
+    """Each of `workers` local rollout workers' `gpus` CUDA devices (rollout.gpus): the machine's last ones, after
+    the `trainers` training processes' (devices 0 .. trainers − 1), of `devices` in all; refused in one line where
+    there are not enough."""
+    need = workers * gpus
+    if devices == 0:
+        raise ConfigError("rollout.gpus: this machine has no CUDA device; leave rollout.gpus=0 (workers on CPU "
+                          "cores), or use rollout.launcher=ray with a cluster that has GPUs")
+    if trainers + need > devices:
+        raise ConfigError(f"rollout.gpus: {workers} worker(s) × {gpus} GPU and {trainers} training process(es) need "
+                          f"{trainers + need} GPUs; this machine has {devices}")
+    first = devices - need
+    return tuple(tuple(range(first + i * gpus, first + (i + 1) * gpus)) for i in range(workers))

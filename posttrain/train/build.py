@@ -167,7 +167,7 @@ def start_workers(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: st
                                max_restarts=r.max_worker_restarts, start_s=max(r.worker_timeout_s, START_S))
     pool = WorkerPool(spec, p.workers, cpus=[list(c) for c in p.worker_cpus] if p.worker_cpus is not None else None,
                       shared_rng=p.shared_rng, max_restarts=r.max_worker_restarts, bucket_mb=r.weight_bucket_mb,
-                      launcher=launcher)
+                      launcher=launcher, gpus=[list(g) for g in p.worker_gpus] if p.worker_gpus else None)
     pool.start_s = time.perf_counter() - began  # joining the cluster and placing the bundles included (Ray)
     return pool
 
@@ -181,7 +181,8 @@ def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
     return WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
                       lora=cfg.model.lora if p.weight_sync == "adapter" else None, sampling=r, pad_id=setup.pad_id,
                       stop_ids=tuple(setup.stop_ids), seed=setup.seed, max_seqs=setup.max_seqs,
-                      threads=p.worker_threads, timeout_s=r.worker_timeout_s,
+                      threads=p.worker_threads, timeout_s=r.worker_timeout_s, gpus=r.gpus,
+                      transport=p.transport if p.transport != "none" else "gloo",
                       attention=trainer_attention(setup.policy),
                       reference=str(reference) if reference is not None else None,
                       reference_dtype=weights_dtype(setup.precision, trained=False),

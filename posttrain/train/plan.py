@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from posttrain.core.errors import UserError
+from posttrain.core.launch import cuda_devices, local_world, worker_gpus
 from posttrain.schema import STALE_TIS_CAP, RunConfig
 
 
@@ -28,6 +29,8 @@ class Machine:
     precision_reason: str = ""
     cores: int = 1  # the cores this process may use (affinity, cgroup quota, processes sharing the machine)
     cpus: tuple[int, ...] = (0,)  # the CPUs it may run on, in order
+    gpus: int = 0  # the CUDA devices this process sees
+    local_world: int = 1  # training processes on this machine (LOCAL_WORLD_SIZE): they use the first GPUs
 
     @classmethod
     def here(cls, cfg: RunConfig, choice=None) -> Machine:
@@ -39,7 +42,8 @@ class Machine:
         if choice is None:
             _, choice = settle_precision(cfg)
         return cls(world_size=launched_processes(), precision=choice.precision, precision_reason=choice.reason,
-                   cores=usable_cores(), cpus=tuple(sorted(allowed_cpus())))
+                   cores=usable_cores(), cpus=tuple(sorted(allowed_cpus())), gpus=cuda_devices(),
+                   local_world=local_world())
 
 
 def launched_processes() -> int:
@@ -74,6 +78,9 @@ class Rollout:
     worker_threads: int  # each worker's threads (0 when colocated)
     worker_cpus: tuple[tuple[int, ...], ...] | None  # each worker's cores, where every worker and the trainer get
     # their own; None: not pinned
+    worker_gpus: tuple[tuple[int, ...], ...] | None  # each local worker's CUDA devices (rollout.gpus); None: none
+    # chosen here (CPU workers, or Ray's bundles choose)
+    transport: str  # how weights reach the workers: gloo (from CPU memory), nccl (GPU to GPU); none when colocated
     shared_workers: bool  # several training processes sample through the first one's workers
     shared_rng: bool  # the workers sample from the training processes' generators (one worker at k = 0)
     weight_sync: str  # what reaches the engine after each update: none (it samples from the trained module), full,
@@ -265,10 +272,14 @@ def _rollout(cfg: RunConfig, plugin, machine: Machine) -> Rollout:
     threads, cpus = worker_cores(r, machine) if separate else (0, None)
     if r.launcher == "ray":  # Ray places each worker on a node of its choosing: its bundle reserves the CPUs
         cpus = None
+    gpus = (worker_gpus(r.workers, r.gpus, machine.gpus, machine.local_world)
+            if separate and r.gpus and r.launcher == "local" else None)
+    transport = "none" if not separate else "nccl" if r.gpus and machine.gpus else "gloo"
     proximal, cap = correction(r, plugin)
     return Rollout(engine=r.engine, placement=r.placement, launcher=r.launcher if separate else "local",
                    workers=r.workers if separate else 0,
-                   worker_threads=threads, worker_cpus=cpus, shared_workers=separate and machine.world_size > 1,
+                   worker_threads=threads, worker_cpus=cpus, worker_gpus=gpus, transport=transport,
+                   shared_workers=separate and machine.world_size > 1,
                    shared_rng=separate and r.max_staleness == 0 and r.workers == 1, weight_sync=weight_sync,
                    max_staleness=r.max_staleness, proximal=proximal, tis_mode=r.tis_mode, tis_cap=cap,
                    elite_is_cap=r.elite_is_cap)

@@ -75,16 +75,16 @@ class RolloutActor:
 
         return ray.get_runtime_context().get_node_id(), os.getpid(), ray.util.get_node_ip_address()
 
-    def start(self, incarnation: int, host: str, port: int) -> str:
+    def start(self, incarnation: int, host: str, port: int) -> tuple[str, str]:
         """Builds the core as incarnation `incarnation` and joins the trainer's weights group; the attention it
-        samples with."""
+        samples with, and its device."""
         import ray
 
         def kill():  # the tests' `die` fault: Ray kills this actor, and starts it again
             ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
 
         self.core = Core(self.spec, self.index, incarnation, None, kill=kill)
-        return self.core.connect(host, port, ray.util.get_node_ip_address())
+        return self.core.connect(host, port, ray.util.get_node_ip_address()), str(self.core.device)
 
     def request(self, rid: int, kind: str, payload) -> tuple:
         return self.core.answer(rid, kind, payload)
@@ -101,7 +101,7 @@ class RayWorker:
 
     def __init__(self, actor, index: int, incarnation: int, host: str, port: int, last_pid: int | None = None):
         self.actor, self.index, self.incarnation, self.host, self.port = actor, index, incarnation, host, port
-        self.group = self.pid = self.attention = self.node = None
+        self.group = self.pid = self.attention = self.node = self.device = None
         self.last_pid = last_pid  # the process of the incarnation before, which a restart must not answer from
         self.started = None  # the start call, until it has answered
         self.pending: dict[Any, int] = {}  # request calls in flight -> request id
@@ -147,7 +147,7 @@ class RayWorker:
         return pid
 
     def ready(self, limit: float) -> str:
-        self.attention, self.started = self._get(self.started, limit, "load its engine"), None
+        (self.attention, self.device), self.started = self._get(self.started, limit, "load its engine"), None
         return self.attention
 
     def send(self, message: tuple) -> None:
@@ -195,14 +195,18 @@ class RayWorker:
         pass
 
 
-def fits(nodes: list[float], cpus: float, bundles: int, strategy: str) -> bool:
-    """Whether `bundles` bundles of `cpus` CPUs can be placed by `strategy` on nodes of the given CPUs (all of them
-    free): STRICT_PACK on one node, STRICT_SPREAD on as many different ones, PACK and SPREAD anyhow."""
+def fits(nodes: list[dict], bundle: dict, bundles: int, strategy: str) -> bool:
+    """Whether `bundles` copies of `bundle` ({resource: amount}) can be placed by `strategy` on nodes holding the
+    given resources (all of them free): STRICT_PACK on one node, STRICT_SPREAD on as many different ones, PACK and
+    SPREAD anyhow."""
+    def holds(node: dict) -> int:  # copies of the bundle one node holds
+        return min(int(node.get(k, 0) // v) for k, v in bundle.items() if v > 0)
+
     if strategy == "STRICT_PACK":
-        return any(c >= cpus * bundles for c in nodes)
+        return any(holds(n) >= bundles for n in nodes)
     if strategy == "STRICT_SPREAD":
-        return sum(c >= cpus for c in nodes) >= bundles
-    return sum(int(c // cpus) for c in nodes) >= bundles
+        return sum(holds(n) >= 1 for n in nodes) >= bundles
+    return sum(holds(n) for n in nodes) >= bundles
 
 
 class RayLauncher:
@@ -219,13 +223,14 @@ class RayLauncher:
         self.spec, self.ours, self.actors, self.group = spec, join_cluster(address), {}, None
         self.host = self.device_host = ray.util.get_node_ip_address()  # the trainer's node, as the workers reach it
         self.trainer_node = ray.get_runtime_context().get_node_id()
-        bundle = {"CPU": spec.threads}
-        nodes = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
-        if not fits(nodes, spec.threads, workers, strategy):
+        bundle = {"CPU": spec.threads, **({"GPU": spec.gpus} if spec.gpus else {})}
+        nodes = [{k: n["Resources"].get(k, 0) for k in bundle} for n in ray.nodes() if n.get("Alive")]
+        if not fits(nodes, bundle, workers, strategy):
             self.close()
-            have = ", ".join(f"{c:g}" for c in sorted(nodes, reverse=True))
+            have = ", ".join(" and ".join(f"{n[k]:g} {k}s" for k in bundle)
+                             for n in sorted(nodes, key=lambda n: tuple(n.values()), reverse=True))
             raise UserError(f"rollout.workers: {workers} bundle(s) of {bundle} (ray.strategy={strategy}) do not fit "
-                            f"the Ray cluster's nodes, of {have} CPUs")
+                            f"the Ray cluster's nodes, of {have}")
         self.group = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
         try:
             ray.get(self.group.ready(), timeout=start_s)
@@ -248,7 +253,7 @@ class RayLauncher:
         last = self.actors.get(index)
         if last is None:
             actor = self.actor_class.options(
-                num_cpus=self.spec.threads, max_restarts=-1, max_task_retries=0,  # the pool bounds the restarts
+                num_cpus=self.spec.threads, num_gpus=self.spec.gpus, max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
                 name=f"posttrain-rollout-{index}-{os.getpid()}",
             ).remote(self.spec, index, os.environ.get(FAULT))

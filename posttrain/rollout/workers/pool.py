@@ -4,8 +4,10 @@ and restarts them and pushes each numbered weight version in bounded buckets."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
+import os
 import queue
 import signal
 import sys
@@ -23,8 +25,8 @@ from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
 from posttrain.rollout.base import Workers, counts, get
-from posttrain.rollout.workers.process import gloo_group, serve, unpack
-from posttrain.rollout.workers.spec import POLL_S, START_S, WorkerSpec, one_line, prefix, scoring_rows
+from posttrain.rollout.workers.process import op_timeout, serve, unpack, weights_group
+from posttrain.rollout.workers.spec import POLL_S, START_S, WorkerSpec, bounded, one_line, prefix, scoring_rows
 
 
 @dataclass
@@ -43,6 +45,7 @@ class LocalWorker:
     pid: int | None = None
     attention: str | None = None  # what its engine samples with, as the worker reported it
     node: str | None = None  # the node it runs on, where a launcher places workers on several (Ray's node id)
+    device: str | None = None  # where it samples (cpu, cuda:0 of its own CUDA_VISIBLE_DEVICES), as it reported
 
     @property
     def who(self) -> str:
@@ -72,7 +75,7 @@ class LocalWorker:
 
     def ready(self, limit: float) -> str:
         """Waits for its engine to load; the attention it samples with."""
-        self.attention = self._wait("ready", "load its engine", limit)[2]
+        _, _, self.attention, self.device = self._wait("ready", "load its engine", limit)
         return self.attention
 
     def send(self, message: tuple) -> None:
@@ -104,6 +107,23 @@ class LocalWorker:
         self.process.join(timeout=timeout)
 
 
+@contextlib.contextmanager
+def visible_devices(devices: list[int] | None):
+    """CUDA_VISIBLE_DEVICES set to `devices` (None: unchanged) while a worker process starts: it inherits it."""
+    if devices is None:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
 class LocalLauncher:
     """rollout.launcher=local: each worker a process the training process spawns on its own machine (torch
     multiprocessing), on the cores the plan gives it."""
@@ -112,9 +132,10 @@ class LocalLauncher:
     host = "127.0.0.1"  # where the workers reach the trainer's store
     device_host = None  # gloo binds the address the host name resolves to
 
-    def __init__(self, spec: WorkerSpec, cpus: list[list[int]] | None):
-        self.spec, self.cpus = spec, cpus
+    def __init__(self, spec: WorkerSpec, cpus: list[list[int]] | None, gpus: list[list[int]] | None = None):
+        self.spec, self.cpus, self.gpus = spec, cpus, gpus  # gpus: each worker's CUDA devices (rollout.gpus)
         self._context = torch.multiprocessing.get_context("spawn")
+        self._environ = threading.Lock()  # a worker's CUDA_VISIBLE_DEVICES is this process's while it starts
 
     def spawn(self, index: int, incarnation: int, port: int, started: list | None = None) -> LocalWorker:
         """Starts worker `index`'s process (added to `started` as soon as it runs, so that a Ctrl-C arriving as
@@ -128,7 +149,8 @@ class LocalLauncher:
         # stopping it with a traceback. This process still takes the interrupt, in another thread or once unblocked.
         masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            process.start()
+            with self._environ, visible_devices(self.gpus[index] if self.gpus else None):
+                process.start()
             worker = LocalWorker(index, incarnation, process, requests, inbox, replies)
             if started is not None:
                 started.append(worker)
@@ -194,12 +216,13 @@ class WorkerPool(Workers):
         bucket_mb: the bound of one weight bucket.
         launcher: what starts and watches the workers: a `LocalLauncher` (the default: processes of this one), or
             posttrain.rollout.workers.actors.RayLauncher (Ray actors in a placement group).
+        gpus: each local worker's CUDA devices (rollout.gpus), or None.
     """
 
     colocated = False
 
     def __init__(self, spec: WorkerSpec, workers: int, *, cpus: list[list[int]] | None, shared_rng: bool,
-                 max_restarts: int, bucket_mb: float, launcher=None):
+                 max_restarts: int, bucket_mb: float, launcher=None, gpus: list[list[int]] | None = None):
         if shared_rng and workers != 1:
             raise ValueError("WorkerPool: a shared generator needs exactly one worker")
         self.spec, self.name, self.cpus, self.shared_rng = spec, spec.engine, cpus, shared_rng
@@ -214,7 +237,10 @@ class WorkerPool(Workers):
         self.rng = [torch.Generator().manual_seed(spec.seed * 7919 + i + 1).get_state() for i in range(workers)]
         self._ids, self.calls = itertools.count(), 0  # request ids; generate calls made
         self._requests, self._weights = threading.Lock(), threading.RLock()
-        self.launcher = launcher or LocalLauncher(spec, cpus)
+        self.launcher = launcher or LocalLauncher(spec, cpus, gpus)
+        # the pushed weights' buckets: on this process's GPU when they go over NCCL, else in CPU memory
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if spec.transport == "nccl"
+                       else torch.device("cpu"))
         self.store = dist.TCPStore(self.launcher.host, 0, is_master=True, wait_for_workers=False,
                                    timeout=self.timeout)
         self.workers: list = []
@@ -244,8 +270,8 @@ class WorkerPool(Workers):
         as it does."""
         limit = max(self.spec.timeout_s, START_S)
         w.hello(limit)
-        w.group = gloo_group(dist.PrefixStore(prefix(w.index, w.incarnation), self.store), 0, self.timeout,
-                             self.launcher.device_host)
+        w.group = weights_group(dist.PrefixStore(prefix(w.index, w.incarnation), self.store), 0, self.timeout,
+                                self.launcher.device_host, self.spec.transport)
         w.ready(limit)
 
     def _restart(self, index: int, incarnation: int, why: str) -> None:
@@ -402,6 +428,7 @@ class WorkerPool(Workers):
         return {"workers": len(self.workers), "pids": self.pids(), "attention": self.attentions(),
                 "requests": self.calls, "restarts": self.restarts, "launcher": self.launcher.name,
                 "start_s": round(self.start_s, 3), "push_mib": round(self.push_bytes / 2**20, 4),
+                "devices": [w.device for w in self.workers], "transport": self.spec.transport,
                 **self.launcher.report(), **({"nodes": [w.node for w in self.workers]}
                                             if any(w.node for w in self.workers) else {})}
 
@@ -430,7 +457,8 @@ class WorkerPool(Workers):
             if self.layout is None:  # the first push lays the buckets out: the weights copied once, then placed
                 items = [(name, t.to("cpu", copy=True)) for name, t in items]
                 self.layout = Layout.of(items, self.bucket_bytes).buckets
-                self.buffers = [torch.empty(numel, dtype=getattr(torch, d)) for d, numel, _ in self.layout]
+                self.buffers = [torch.empty(numel, dtype=getattr(torch, d), device=self.device)
+                                for d, numel, _ in self.layout]
             views = dict(unpack(self.layout, self.buffers))
             taken = 0
             for name, t in items:
@@ -444,7 +472,7 @@ class WorkerPool(Workers):
             for w in list(self.workers):
                 try:
                     self._push_to(w, version)
-                except RuntimeError as err:
+                except (RuntimeError, TimeoutError) as err:
                     self._restart(w.index, w.incarnation, f"did not take weights version {version} "
                                   f"({one_line(err)[:160]})")
             self.pushed = version
@@ -452,11 +480,25 @@ class WorkerPool(Workers):
         return self.push_bytes
 
     def _push_to(self, w, version: int) -> None:
+        """Sends version `version` to `w`: its collectives on a thread of their own, waited for at most
+        rollout.worker_timeout_s (a NCCL broadcast cannot time out by itself); past it, the group is aborted where
+        it can be, and the caller restarts the worker."""
         w.announce(version, self.layout)
-        for i, buf in enumerate(self.buffers):
-            w.group.broadcast(buf, 0, self.timeout).wait()
-            if i == 0:
-                crash_point("push", version)  # fault injection: the training process killed mid-push
+
+        def send():
+            for i, buf in enumerate(self.buffers):
+                w.group.broadcast(buf, 0, op_timeout(self.timeout)).wait()
+                if i == 0:
+                    crash_point("push", version)  # fault injection: the training process killed mid-push
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        try:
+            bounded(send, self.spec.timeout_s, f"pushing weights version {version}")
+        except TimeoutError:
+            with contextlib.suppress(Exception):  # NCCL's communicator, so that its thread ends
+                getattr(w.group, "abort", lambda: None)()
+            raise
 
     def release(self) -> None:
         pass  # the workers' memory is their own

@@ -22,24 +22,37 @@ from posttrain.core.batch import Batch
 from posttrain.core.launch import forget_launcher
 from posttrain.core.precision import MIXED
 from posttrain.rollout.base import RolloutEngine, Setup, get
-from posttrain.rollout.workers.spec import FAULT, POLL_S, WorkerSpec, one_line, prefix
+from posttrain.rollout.workers.spec import FAULT, POLL_S, WorkerSpec, bounded, one_line, prefix
 
 
 class Staging:
-    """The newest weights the receiver took (flat buckets), until the worker's loop swaps them into its engine."""
+    """The newest weights the receiver took (flat buckets, on `device`: the GPU under NCCL), until the worker's loop
+    swaps them into its engine."""
 
-    def __init__(self, engine: RolloutEngine):
-        self.engine, self.cond = engine, threading.Condition()
+    def __init__(self, engine: RolloutEngine, device: torch.device | str = "cpu"):
+        self.engine, self.device, self.cond = engine, torch.device(device), threading.Condition()
         self.layout, self.buffers = None, []
-        self.staged, self.applied = -1, -1  # versions: in the buffers, in the engine
+        self.staged, self.applied = -1, -1  # versions: complete in the buffers, in the engine
 
-    def receive(self, group, version: int, layout: list, timeout: datetime.timedelta) -> None:
+    def receive(self, group, version: int, layout: list, timeout: datetime.timedelta, bound_s: float) -> None:
+        """Takes version `version` into the buffers, its collectives on a thread of their own that this one waits
+        for at most `bound_s` seconds. While the buffers change they hold no version newer than the engine's, so a
+        push that fails or times out half way is discarded: nothing of it reaches the engine."""
         with self.cond:
             if layout != self.layout:
-                self.buffers = [torch.empty(numel, dtype=getattr(torch, dtype)) for dtype, numel, _ in layout]
+                self.buffers = [torch.empty(numel, dtype=getattr(torch, dtype), device=self.device)
+                                for dtype, numel, _ in layout]
                 self.layout = layout
+            self.staged = self.applied  # a complete version not yet swapped in is being overwritten by a newer one
+
+        def take():
             for buf in self.buffers:
                 group.broadcast(buf, 0, timeout).wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # NCCL's wait orders the stream; the host waits here
+
+        bounded(take, bound_s, f"taking weights version {version}")
+        with self.cond:
             self.staged = version
             self.cond.notify_all()
 
@@ -70,9 +83,9 @@ def fault(kind: str, count: int, incarnation: int, kill=None) -> None:
             time.sleep(3600)
 
 
-def start_engine(spec: WorkerSpec) -> tuple[RolloutEngine, str]:
-    """The worker's own engine, on its own copy of the starting policy (built as the trainer builds its sampler), and
-    the attention it samples with as the model reports it (an engine without a module: its name)."""
+def start_engine(spec: WorkerSpec, device: torch.device | str = "cpu") -> tuple[RolloutEngine, str]:
+    """The worker's own engine, on its own copy of the starting policy (built as the trainer builds its sampler) on
+    `device`, and the attention it samples with as the model reports it (an engine without a module: its name)."""
     from posttrain.models import lora
     from posttrain.models.gated_mlp import lean_gated_mlps
     from posttrain.models.loading import load
@@ -85,6 +98,7 @@ def start_engine(spec: WorkerSpec) -> tuple[RolloutEngine, str]:
         lean_gated_mlps(policy)
         if spec.lora is not None:
             policy = lora.hf_model(lora.apply(policy, spec.lora, spec.model_path))
+        policy.to(device)
     engine = get(spec.engine).start(Setup(policy=policy, model_path=Path(spec.model_path), pad_id=spec.pad_id,
                                           stop_ids=list(spec.stop_ids), sampling=spec.sampling,
                                           precision=spec.precision, seed=spec.seed, max_seqs=spec.max_seqs))
@@ -92,7 +106,7 @@ def start_engine(spec: WorkerSpec) -> tuple[RolloutEngine, str]:
     return engine, getattr(config, "_attn_implementation", None) or spec.engine
 
 
-def load_reference(spec: WorkerSpec) -> torch.nn.Module | None:
+def load_reference(spec: WorkerSpec, device: torch.device | str = "cpu") -> torch.nn.Module | None:
     """The frozen reference model a worker scores with under rollout.reference_on=workers (None otherwise), with the
     model's own attention (SDPA): it only runs forwards, where SDPA is the faster on CPU (bf16, long completions,
     one thread: 0.68 s against eager's 1.1 s for 64 rows, AVX512-BF16 without AMX); the eager attention the trainer
@@ -102,7 +116,7 @@ def load_reference(spec: WorkerSpec) -> torch.nn.Module | None:
     from posttrain.models.loading import load
 
     model, _ = load(spec.reference, dtype=spec.reference_dtype)
-    return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -116,12 +130,13 @@ def reference_logprobs(model: torch.nn.Module | None, batch: Batch, rows: int, t
     if model is None:
         raise RuntimeError("asked for reference log-probs, and this worker holds no reference model")
     packed = packing and packs(model)
+    device = next(model.parameters()).device
     out = torch.zeros(batch.mask.shape)  # [B, R]
     for idx in micro.split(batch.lengths(), 1, rows, tokens, packed):  # single rows: an online source's
-        mb = batch.select(idx).trimmed()
+        mb = batch.select(idx).trimmed().to(device)
         part = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.prompt_len, temperature=batch.temperature,
                               packed=packed)
-        out[idx, : part.shape[1]] = part.float()
+        out[idx, : part.shape[1]] = part.float().cpu()
     return out
 
 
@@ -137,6 +152,9 @@ class Core:
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(spec.threads)
+        self.device = torch.device("cuda", 0) if spec.gpus else torch.device("cpu")  # its own: CUDA_VISIBLE_DEVICES
+        if spec.gpus:
+            torch.cuda.set_device(self.device)
         self.mixed = MIXED.get(spec.precision)  # the trainer samples under the same autocast
         self.served = self.scored = self.pushes = 0
         self.idle_since = time.perf_counter()
@@ -145,11 +163,11 @@ class Core:
         """Joins the weights group of two over the trainer's store at `host`:`port`, builds the engine and the
         reference; returns the attention it samples with."""
         store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
-        self.group = gloo_group(dist.PrefixStore(prefix(self.index, self.incarnation), store), 1, self.timeout,
-                                device_host)
-        self.engine, attention = start_engine(self.spec)
-        self.reference = load_reference(self.spec)
-        self.staging = Staging(self.engine)
+        self.group = weights_group(dist.PrefixStore(prefix(self.index, self.incarnation), store), 1, self.timeout,
+                                   device_host, self.spec.transport)
+        self.engine, attention = start_engine(self.spec, self.device)
+        self.reference = load_reference(self.spec, self.device)
+        self.staging = Staging(self.engine, self.device if self.spec.transport == "nccl" else "cpu")
         return attention
 
     def take(self, version: int, layout: list) -> None:
@@ -157,7 +175,7 @@ class Core:
         self.pushes += 1
         fault("die_weights", self.pushes, self.incarnation, self.kill)
         fault("hang_weights", self.pushes, self.incarnation, self.kill)
-        self.staging.receive(self.group, version, layout, self.timeout)
+        self.staging.receive(self.group, version, layout, op_timeout(self.timeout), self.spec.timeout_s)
 
     def answer(self, rid: int, kind: str, payload) -> tuple:
         """The reply to one request: a sampled batch, reference scores, or a one-line error."""
@@ -167,7 +185,7 @@ class Core:
         fault("hang", self.served, self.incarnation, self.kill)
         spec = self.spec
         try:
-            with torch.autocast("cpu", dtype=self.mixed) if self.mixed else contextlib.nullcontext():
+            with torch.autocast(self.device.type, dtype=self.mixed) if self.mixed else contextlib.nullcontext():
                 if kind == "score":
                     self.scored += 1
                     fault("die_scoring", self.scored, self.incarnation, self.kill)
@@ -176,7 +194,9 @@ class Core:
                 prompts, n, sampling, min_version, rng = payload
                 version = self.staging.apply(min_version, spec.timeout_s)
                 torch.set_rng_state(rng)
-                batch = self.engine.generate(prompts, n, **sampling)
+                if self.device.type == "cuda":  # a GPU samples from its own generator, seeded from the stream given
+                    torch.cuda.manual_seed(int(torch.randint(2**62, (1,))))
+                batch = self.engine.generate(prompts, n, **sampling).to("cpu")
                 return ("batch", rid, batch, version, torch.get_rng_state(), idle)
         except Exception as err:  # noqa: BLE001 - a sampling error is the run's, not the worker's
             return ("error", rid, one_line(err))
@@ -184,10 +204,20 @@ class Core:
             self.idle_since = time.perf_counter()
 
 
-def gloo_group(store, rank: int, timeout: datetime.timedelta, host: str | None = None):
-    """The weights group of two over `store`. On one machine gloo binds the address the host name resolves to; a
-    worker on another node binds `host`, its node's address as Ray knows it (GLOO_SOCKET_IFNAME, where set, names the
-    interface instead)."""
+def op_timeout(bound: datetime.timedelta) -> datetime.timedelta:
+    """The weights group's own time-out on an operation: twice the bound its caller waits (`bounded`), so that the
+    caller's watchdog, which NCCL needs, is what stops a hung push under gloo too, and the tests on gloo exercise it."""
+    return 2 * bound
+
+
+def weights_group(store, rank: int, timeout: datetime.timedelta, host: str | None = None, backend: str = "gloo"):
+    """The weights group of two over `store`: gloo, or NCCL between the trainer's GPU and the worker's. On one
+    machine gloo binds the address the host name resolves to; a worker on another node binds `host`, its node's
+    address as Ray knows it (GLOO_SOCKET_IFNAME, where set, names the interface instead)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = op_timeout(timeout)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
     if host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
         return dist.ProcessGroupGloo(store, rank, 2, timeout)
     options = dist.ProcessGroupGloo._Options()
@@ -237,7 +267,7 @@ def serve(spec: WorkerSpec, index: int, incarnation: int, port: int, cpus: list[
     except BaseException as err:  # noqa: BLE001 - reported to the trainer, which names this worker
         replies.put(("error", None, one_line(err)))
         return
-    replies.put(("ready", os.getpid(), attention))
+    replies.put(("ready", os.getpid(), attention, str(core.device)))
     while True:
         message = next_message(requests, parent)
         if message is None or message is GONE:

@@ -3,6 +3,7 @@ switch the tests use, and the rows a scoring request carries."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,31 @@ class WorkerSpec:
     micro_tokens: int | None = None  # train.micro_batch_tokens: a token budget instead, where set
     packing: bool = False  # train.packing: sequences packed end to end, where the reference model can confine
     # attention to each (posttrain.models.scoring.packs)
+    gpus: int = 0  # rollout.gpus: the worker samples on a GPU of its own (its CUDA_VISIBLE_DEVICES: the launcher's)
+    transport: str = "gloo"  # the weights group: gloo (buffers in CPU memory) or nccl (from the trainer's GPU to the
+    # worker's)
+
+
+def bounded(fn, timeout_s: float, what: str) -> None:
+    """Runs `fn` on a thread of its own and waits for it at most `timeout_s` seconds, so that a collective which
+    cannot time out by itself (NCCL's broadcast) cannot hold its caller past the bound. Raises TimeoutError naming
+    `what` when `fn` has not returned by then (the thread is left to the process's end, or to the group's abort), or
+    what `fn` raised."""
+    done, failed = threading.Event(), []
+
+    def run():
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            failed.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="posttrain-collective").start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what} did not finish within {timeout_s:g} s")
+    if failed:
+        raise failed[0]
 
 
 def one_line(err: BaseException) -> str:
