@@ -29,7 +29,7 @@ k = 1 with the truncated importance weight per token or per sequence (`rollout.p
 default correction, and `lagged-k=1`, the colocated run sampling each batch from the weights one update old
 (bench/lagged.py, truncated weight), which has the staleness of k = 1 without the workers. k = 0 is left out by
 default: it samples as the colocated run does.
-`--launcher local,ray` runs each configuration with rollout workers both ways: processes of the training process
+`--launcher local,ray` runs each configuration with rollout workers both ways (its accuracy runs too): processes of the training process
 (`rollout.launcher=local`) and Ray actors in a placement group on a local Ray instance (`rollout.launcher=ray`), and
 adds what Ray costs: the workers' start-up (from asking for them to every worker ready, joining or starting the Ray
 cluster included) and the weight push's milliseconds per MiB (the median `time/weight_sync` over the steps after the
@@ -191,13 +191,18 @@ def main() -> None:
         print(f"\nheld-out accuracy after recipe=grpo_math's whole run (greedy, 500 problems), seeds {args.seeds}")
         print(f"{'config':<10} {'mean':>6} {'spread':>7}  per seed")
         for config in args.accuracy.split(","):
-            accuracy = []
-            for seed in seeds:
-                out = Path(tmp) / "accuracy" / f"{config}-{seed}"
-                run([*VARIANTS["embedded"], *{**CONFIGS, **ACCURACY}[config], f"seed={seed}"], out, config)
-                accuracy.append(json.loads((out / "summary.json").read_text())["eval_after"]["accuracy"])
-            print(f"{config:<10} {statistics.mean(accuracy):>6.3f} {max(accuracy) - min(accuracy):>7.3f}  "
-                  + " ".join(f"{a:.3f}" for a in accuracy), flush=True)
+            given = {**CONFIGS, **ACCURACY}[config]
+            separate = "rollout.placement=separate" in given
+            for launcher in args.launcher.split(",") if separate else ["local"]:
+                ray = ["rollout.launcher=ray"] if launcher == "ray" else []
+                accuracy = []
+                for seed in seeds:
+                    out = Path(tmp) / "accuracy" / f"{config}-{launcher}-{seed}"
+                    run([*VARIANTS["embedded"], *given, *ray, f"seed={seed}"], out, config)
+                    accuracy.append(json.loads((out / "summary.json").read_text())["eval_after"]["accuracy"])
+                name = f"{config} ray" if ray else config
+                print(f"{name:<10} {statistics.mean(accuracy):>6.3f} {max(accuracy) - min(accuracy):>7.3f}  "
+                      + " ".join(f"{a:.3f}" for a in accuracy), flush=True)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def test_a_trainer_killed_on_ray_and_run_again_trains_every_prompt_exactly_once(
         collections.Counter(p for step in whole for p in step)
 
 
+@pytest.mark.slow  # a hung push (above) is timed out the same way, by the same restart
 def test_a_ray_worker_hung_in_sampling_is_timed_out(warm_model_dir, cluster, tmp_path):
     out = tmp_path / "ray"
     proc = run(warm_model_dir, out, *on_ray(cluster, "rollout.worker_timeout_s=6"), env={FAULT: "hang:3"})

@@ -53,11 +53,21 @@ def join_cluster(address: str) -> bool:
             raise UserError(f"ray.address: cannot join the Ray cluster at {address!r} ({one_line(err)[:200]})") \
                 from None
         return False
+    if not os.environ.get("RAY_ADDRESS") and not cluster_here():  # a local one, for this run ("local": Ray's record
+        # of a cluster that died with its process, in /tmp/ray, would have `auto` wait for it for minutes)
+        ray.init(address="local", **quiet)
+        return True
+    ray.init(address="auto", **quiet)
+    return False
+
+
+def cluster_here() -> bool:
+    """Whether a Ray cluster runs on this machine (a GCS process of `ray start`)."""
     try:
-        ray.init(address="auto", **quiet)
-        return False
-    except ConnectionError:  # no cluster on this machine: a local one, for this run
-        ray.init(**quiet)
+        from ray._private.services import find_gcs_addresses
+
+        return bool(find_gcs_addresses())
+    except Exception:  # noqa: BLE001 - Ray's own helper moved: let `auto` look, as Ray does
         return True
 
 
