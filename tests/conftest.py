@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -10,6 +11,13 @@ import pytest
 from posttrain.apps.cli import prepare_process
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+# Ray, the `ray` extra (rollout.launcher=ray): its tests skip without it, and POSTTRAIN_REQUIRE_RAY=1 (.ci/run, both
+# lanes) turns the skip into a failure
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+if not HAVE_RAY and os.environ.get("POSTTRAIN_REQUIRE_RAY") == "1":
+    raise RuntimeError("POSTTRAIN_REQUIRE_RAY=1 but ray is not importable in this environment")
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'posttrain[ray]')")
 
 # What every command sets in its own process, set here once, before any test: a test that runs the CLI in this
 # process (`posttrain_here`) would otherwise set it midway, and `posttrain()` could no longer fork its commands

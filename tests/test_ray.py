@@ -12,20 +12,17 @@ Ray is an extra (`pip install 'posttrain[ray]'`): without it these tests skip, a
 turns the skip into a failure."""
 
 import collections
-import importlib.util
 import os
 import signal
 
 import pytest
 from cli_helpers import assert_one_line_error, posttrain
+from conftest import needs_ray
 from test_async import REFERENCE, SEPARATE, metrics, run, summary, trained_prompts, weights
 
 from posttrain.rollout.workers import FAULT
 
-HAVE_RAY = importlib.util.find_spec("ray") is not None
-if not HAVE_RAY and os.environ.get("POSTTRAIN_REQUIRE_RAY") == "1":
-    raise RuntimeError("POSTTRAIN_REQUIRE_RAY=1 but ray is not importable in this environment")
-pytestmark = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'posttrain[ray]')")
+pytestmark = needs_ray
 
 
 @pytest.fixture(scope="module")

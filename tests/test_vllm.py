@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from conftest import needs_ray
 
 from posttrain.models.loading import load, stop_token_ids
 from posttrain.rollout.hf import HFEngine
@@ -285,14 +286,8 @@ def test_lora_run_on_vllm_syncs_merged_weights(model_dir, tmp_path, backend):
     assert all(m["time/weight_sync"] > 0 and m["mismatch/kl"] < 0.01 for m in metrics)
 
 
-HAVE_RAY = importlib.util.find_spec("ray") is not None
-if not HAVE_RAY and os.environ.get("POSTTRAIN_REQUIRE_RAY") == "1":
-    raise RuntimeError("POSTTRAIN_REQUIRE_RAY=1 but ray is not importable in this environment")
-
-
 @needs_vllm
-@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.skipif(
-    not HAVE_RAY, reason="ray is not installed (pip install 'posttrain[ray]')"))])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=needs_ray)])
 def test_separate_workers_on_vllm_take_weight_pushes(model_dir, tmp_path, launcher):
     """`rollout.placement=separate` with `rollout.engine=vllm`: a worker process (or a Ray actor, on a local Ray
     instance) runs vLLM on its own copy of the weights and takes a numbered version after every update (bucketed over

@@ -197,9 +197,11 @@ class RayWorker:
             self.dead = "killed"
 
     def stop(self) -> None:
+        """Has Ray kill the actor for good (the run is over): `kill` then has nothing left to do."""
         import ray
 
         ray.kill(self.actor, no_restart=True)
+        self.dead = "stopped"
 
     def join(self, timeout: float) -> None:
         pass

@@ -225,7 +225,7 @@ class WorkerPool(Workers):
                  max_restarts: int, bucket_mb: float, launcher=None, gpus: list[list[int]] | None = None):
         if shared_rng and workers != 1:
             raise ValueError("WorkerPool: a shared generator needs exactly one worker")
-        self.spec, self.name, self.cpus, self.shared_rng = spec, spec.engine, cpus, shared_rng
+        self.spec, self.name, self.shared_rng = spec, spec.engine, shared_rng
         self.stops = get(spec.engine).stops  # the workers' engine stops a turn at an environment's strings
         self.takes_adapter = spec.lora is not None  # hf workers under LoRA hold the same adapted model
         self.max_restarts, self.bucket_bytes = max_restarts, int(bucket_mb * 2**20)
