@@ -93,6 +93,11 @@ class GRPOConfig(Freezable):
         with the sampling policy's log-probs, say false (RLOO, REINFORCE++: `kl_in_reward`)."""
         return True
 
+    def check_clip(self) -> None:
+        """The clip range of the ratio (`common.check_clip_range`); a method that bounds the ratio otherwise (CISPO's
+        weight, SAPO's gate) checks its own keys instead."""
+        check_clip_range(self.clip_eps, self.clip_eps_high)
+
     def __post_init__(self):
         if self.group_size < self.MIN_GROUP:
             method = type(self).__name__.removesuffix("Config")
@@ -106,7 +111,7 @@ class GRPOConfig(Freezable):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(f"{key}: must be > 0 (got {value})")
-        check_clip_range(self.clip_eps, self.clip_eps_high)
+        self.check_clip()
         if self.mu < 1:
             raise ConfigError(f"mu: must be ≥ 1 (got {self.mu})")
 
@@ -154,11 +159,24 @@ class GRPO(Algorithm):
         assert batch.adv.shape == (B,) and batch.mask.shape == (B, R), "GRPO expects adv [B] and mask [B, R]"
         return batch.adv[:, None]  # [B, 1]
 
+    @staticmethod
+    def policy_coefficient(adv, logp, old_logp, mask, cfg: GRPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GC of the policy term alone, from Â ([B, 1] or [B, R]), log πθ and log π_old ([B, R]): PPO's clipped ratio,
+        Â·ρ·1[unclipped]. A method of the family that weighs the ratio otherwise (CISPO, SAPO) overrides this and
+        `policy_objective` alone. Returns (gc [B, R], metrics)."""
+        return clipped_coefficient(adv, logp, old_logp, mask, cfg.clip_eps, cfg.clip_eps_high)
+
+    @staticmethod
+    def policy_objective(adv, logp, old_logp, cfg: GRPOConfig) -> torch.Tensor:
+        """The policy term of J per token, min(ρÂ, clip(ρ)Â), differentiable in `logp`: the value whose derivative in
+        log πθ is `policy_coefficient`'s GC. [B, R]."""
+        return clipped_objective(adv, logp, old_logp, cfg.clip_eps, cfg.clip_eps_high)
+
     @classmethod
     def coefficient(cls, batch: Batch, logp: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, dict]:
         adv = cls.token_advantage(batch, logp)  # [B, 1] (or [B, R] where a subclass says so)
         old_logp = batch.old_logp if batch.old_logp is not None else logp  # [B, R]
-        gc, metrics = clipped_coefficient(adv, logp, old_logp, batch.mask, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
+        gc, metrics = cls.policy_coefficient(adv, logp, old_logp, batch.mask, cfg)  # [B, R]
         if cfg.beta > 0 and cfg.kl_in_loss:
             kl_gc, metrics["kl"] = k3_coefficient(batch, logp, cfg.beta)  # [B, R], []
             gc = gc + kl_gc
@@ -169,7 +187,7 @@ class GRPO(Algorithm):
         """−min(ρÂ, clip(ρ)Â) + β·k3 per token, the negated term of Eq. 3 (k3 only where the KL is in the loss)."""
         adv = cls.token_advantage(batch, logp)  # [B, 1] (or [B, R])
         old_logp = logp.detach() if batch.old_logp is None else batch.old_logp  # [B, R]; at μ = 1 π_old is πθ
-        value = -clipped_objective(adv, logp, old_logp, cfg.clip_eps, cfg.clip_eps_high)  # [B, R]
+        value = -cls.policy_objective(adv, logp, old_logp, cfg)  # [B, R]
         if cfg.kl_in_loss and cfg.beta > 0:
             value = value + k3_penalty(batch.ref_logp, logp, cfg.beta)  # [B, R]
         return value

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
-        "tests/test_gspo.py", "tests/test_rloo.py", "tests/test_reinforce_pp.py", "tests/test_aggregation.py",
+        "tests/test_gspo.py", "tests/test_cispo.py", "tests/test_sapo.py", "tests/test_rloo.py", "tests/test_reinforce_pp.py", "tests/test_aggregation.py",
         "tests/test_scoring.py", "tests/test_objective.py"]
 ENGINE = "tests/test_engine.py::test_gradient_invariant_to_micro_batches"
 DIST = "tests/test_distributed.py"
@@ -39,7 +39,8 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/ppo.py": ["tests/test_ppo.py", "tests/test_grpo.py"], "algorithms/grpo.py": ["tests/test_grpo.py"],
          "algorithms/common.py": ["tests/test_grpo.py", "tests/test_ppo.py", "tests/test_rft.py",
                                   "tests/test_environments.py::test_gae_steps_over_the_environment_tokens"],
-         "algorithms/gspo.py": ["tests/test_gspo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
+         "algorithms/gspo.py": ["tests/test_gspo.py"], "algorithms/cispo.py": ["tests/test_cispo.py"],
+         "algorithms/sapo.py": ["tests/test_sapo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
          "algorithms/reinforce_pp.py": ["tests/test_reinforce_pp.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
          "posttrain/models/scoring.py": ["tests/test_scoring.py", "tests/test_packing.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
@@ -83,6 +84,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/online_rft.py", "algorithms/dpo.py", "algorithms/ppo.py",
                                      "algorithms/grpo.py")
 GSPO, RLOO, RPP = "algorithms/gspo.py", "algorithms/rloo.py", "algorithms/reinforce_pp.py"
+CISPO, SAPO = "algorithms/cispo.py", "algorithms/sapo.py"
 COMMON = "algorithms/common.py"  # helpers several methods share (group statistics, GAE, the clip, k3, RFT's indicator)
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
@@ -268,6 +270,9 @@ MUTANTS = [
       "masked_mean(ref_ratio - torch.log(ref_ratio) - 1, batch.mask)", "masked_mean(-torch.log(ref_ratio), batch.mask)"),
     m("grpo-kl-metric-sign", COMMON, "k3_coefficient", "kl metric with + log instead of − log",
       "ref_ratio - torch.log(ref_ratio) - 1, batch.mask", "ref_ratio + torch.log(ref_ratio) - 1, batch.mask"),
+    m("grpo-hook-ignored", GRPO, "GRPO.coefficient", "the family's own ratio term ignored: PPO's clip for every member",
+      "gc, metrics = cls.policy_coefficient(adv, logp, old_logp, batch.mask, cfg)",
+      "gc, metrics = GRPO.policy_coefficient(adv, logp, old_logp, batch.mask, cfg)"),
     m("grpo-needs-ref", GRPO, "GRPO.needs", "reference asked for at β = 0", '({"ref_logp"} if cfg.beta > 0',
       '({"ref_logp"} if cfg.beta >= 0'),
     m("grpo-needs-old", GRPO, "GRPO.needs", "old log-probs asked for at μ = 1", "old = cfg.mu > 1 or",
@@ -291,6 +296,28 @@ MUTANTS = [
       "        if cfg.beta < 0:\n            kl_gc"),
     m("gspo-agg", GSPO, "GSPO.aggregation", "token_mean instead of the per-sequence mean",
       'return "seq_mean_token_mean", 1.0', 'return "token_mean", 1.0'),
+    # algorithms/cispo.py
+    m("cispo-sign", CISPO, "CISPO.policy_coefficient", "GC's sign flipped", "gc = weight * adv  #", "gc = -weight * adv  #"),
+    m("cispo-clip-not-detached", CISPO, "clipped_weight", "the clipped weight not detached: GC gains ρ's derivative "
+      "(the objective's gradient is then PPO-like, ρÂ, inside the bounds)", "ratio = torch.exp(logp - old_logp).detach()",
+      "ratio = torch.exp(logp - old_logp)"),
+    m("cispo-drop-clipped", CISPO, "CISPO.policy_coefficient", "bounded tokens dropped, as GRPO's clip does",
+      "gc = weight * adv  #", "gc = weight * adv * (weight == ratio)  #"),
+    m("cispo-no-upper", CISPO, "clipped_weight", "no upper bound on the weight",
+      "ratio.clamp(1 - cfg.clip_eps, 1 + high)", "ratio.clamp(min=1 - cfg.clip_eps)"),
+    m("cispo-eps-swap", CISPO, "clipped_weight", "ε_low used above, ε_high below",
+      "ratio.clamp(1 - cfg.clip_eps, 1 + high)", "ratio.clamp(1 - high, 1 + cfg.clip_eps)"),
+    # algorithms/sapo.py
+    m("sapo-sign", SAPO, "SAPO.policy_coefficient", "GC's sign flipped", "gc = weight * ratio * adv",
+      "gc = -weight * ratio * adv"),
+    m("sapo-tau-swap", SAPO, "gate", "τ_pos on negative advantages, τ_neg on positive ones",
+      "torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)", "torch.where(adv > 0, cfg.tau_neg, cfg.tau_pos)"),
+    m("sapo-no-ratio", SAPO, "SAPO.policy_coefficient", "the gate's weight without the factor ρ of d ρ / d log πθ",
+      "gc = weight * ratio * adv", "gc = weight * adv"),
+    m("sapo-weight-2", SAPO, "SAPO.policy_coefficient", "w = 2σ(1 − σ): the 4/τ normalisation lost (w = 1/2 at ρ = 1)",
+      "weight = 4 * s * (1 - s)", "weight = 2 * s * (1 - s)"),
+    m("sapo-hard-clip", SAPO, "SAPO.policy_coefficient", "the weight 1 inside [0.8, 1.2], 0 outside: PPO's clip",
+      "weight = 4 * s * (1 - s)", "weight = ((ratio - 1).abs() <= 0.2).to(ratio.dtype)"),
     # algorithms/rloo.py
     m("rloo-no-factor", RLOO, "leave_one_out", "r − group mean, without G/(G − 1)", "* n / (n - 1).clamp(min=1)", ""),
     m("rloo-kl-sign", RLOO, "RLOO.prepare", "sequence KL added to the reward", "reward - cfg.beta * kl",

@@ -29,6 +29,23 @@ def surrogate_grad(plugin, batch, logp0: torch.Tensor, cfg, mode: str, norm: flo
     return grad
 
 
+def micro_batched_grad(plugin, batch, logp0: torch.Tensor, cfg, mode: str, norm: float, size: int) -> torch.Tensor:
+    """`surrogate_grad` as the engine takes it: the rows cut into consecutive micro-batches of `size` rows (whole
+    units: `size` a multiple of the plugin's), each micro-batch's GC computed from its own rows alone, and the losses
+    summed under the whole batch's token and sequence counts."""
+    from posttrain.core.aggregation import Totals
+
+    logp = logp0.clone().requires_grad_(True)
+    totals, loss = Totals.of(batch.mask), 0.0
+    for start in range(0, len(batch), size):
+        rows = slice(start, start + size)
+        mb, part = batch.select(rows), logp[rows]
+        gc, _ = plugin.coefficient(mb, part.detach(), cfg)
+        loss = loss - aggregate(gc.detach() * part, mb.mask, mode, totals, norm=norm)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return grad
+
+
 def objective_grad(objective, logp0: torch.Tensor) -> torch.Tensor:
     """∂/∂logp of −objective(logp), by autograd."""
     logp = logp0.clone().requires_grad_(True)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import surrogate_grad
+from helpers import micro_batched_grad, surrogate_grad
 
 from posttrain.algorithms import REGISTRY, get
 from posttrain.algorithms.common import clipped_objective
@@ -72,6 +72,23 @@ def test_gradient_of_the_objective_is_the_surrogates(name, which, spread):
         got = objective_grad(plugin, prepared, logp, cfg, mode, norm)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, mode=mode: f"{mode}: {m}")
         assert want.abs().sum() > 0 and (got[prepared.mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("name, which", CASES, ids=[f"{name}-{'sized' if i else 'default'}" for name, i in CASES])
+def test_micro_batches_give_the_gradient_of_the_whole_batch(name, which):
+    """The engine computes GC one micro-batch at a time, each from its own rows, and divides by the whole step's
+    counts: for every method, under each aggregation it allows, micro-batches of one unit (a row, or a pair) give
+    autograd's gradient of the objective of the whole batch, off ρ = 1. Per-batch work (group advantages) is
+    `prepare`'s, on the whole batch, before the split."""
+    plugin = get(name)
+    cfg = configs(plugin)[which]
+    batch, logp = batch_for(plugin, cfg, 0.3)
+    prepared, _ = plugin.prepare(batch, cfg)
+    fixed = plugin.aggregation(cfg)
+    for mode, norm in [fixed] if fixed else [(m, 4.0) for m in MODES]:
+        want = objective_grad(plugin, prepared, logp, cfg, mode, norm)
+        got = micro_batched_grad(plugin, prepared, logp, cfg, mode, norm, plugin.unit)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, mode=mode: f"{mode}: {m}")
 
 
 def test_objective_runs_without_grad_and_leaves_the_batch_alone():

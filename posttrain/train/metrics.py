@@ -134,6 +134,7 @@ METHOD_UNITS: dict[str, str] = {
     "kl": "nats",
     "clip_frac": "fraction",
     "ratio": "ratio",
+    "gate": "weight",
     "reward_std": "reward",
     "zero_std_frac": "fraction",
     "step_reward": "reward",
