@@ -64,6 +64,17 @@ class Algorithm:
         """Completions sampled per prompt by an online source."""
         return 1
 
+    @classmethod
+    def rows_per_item(cls, cfg: Any) -> int:
+        """Sequences trained per item of `train.batch_size` (a prompt, row or pair): the samples of a prompt times
+        the unit, unless `prepare` keeps fewer of them (online DPO keeps one pair of each group)."""
+        return cls.samples_per_prompt(cfg) * cls.unit
+
+    @staticmethod
+    def check(cfg: Any) -> None:
+        """Refuses, with a ConfigError naming the key, run settings (`cfg` is the whole RunConfig, its `algorithm`
+        validated) that the method cannot serve. The base accepts all."""
+
     @staticmethod
     def epochs(cfg: Any) -> int:
         """Optimizer steps taken on each batch (μ in the paper)."""

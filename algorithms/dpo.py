@@ -50,13 +50,25 @@ from posttrain.core.frozen import Freezable
 
 
 @dataclass
-class DPOConfig(Freezable):
+class PreferenceConfig(Freezable):
+    """The keys of DPO's loss, which online DPO shares."""
+
     beta: float = 0.1
     """β: strength of the implicit KL constraint to the reference; larger keeps the policy closer (> 0)."""
     length_normalize: bool = False
     """Divide each sequence log-ratio by its length (DeepSeekMath Eq. 12) instead of summing (Rafailov et al.)."""
     label_smoothing: float = 0.0
     """ε of conservative DPO (cDPO): the probability that a pair's preference label is wrong, in [0, 0.5)."""
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ConfigError(f"beta: must be > 0 (got {self.beta})")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"label_smoothing: must be in [0, 0.5) (got {self.label_smoothing})")
+
+
+@dataclass
+class DPOConfig(PreferenceConfig):
     pairs_path: str | None = None
     """JSONL/Parquet preference file with prompt/chosen/rejected; null: build pairs from the starting model's samples
     judged by the rule reward."""
@@ -72,10 +84,7 @@ class DPOConfig(Freezable):
     """Field of `pairs_path` rows holding the dispreferred response."""
 
     def __post_init__(self):
-        if self.beta <= 0:
-            raise ConfigError(f"beta: must be > 0 (got {self.beta})")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"label_smoothing: must be in [0, 0.5) (got {self.label_smoothing})")
+        super().__post_init__()
         if self.samples_per_prompt < 2:
             raise ConfigError(f"samples_per_prompt: building pairs needs at least 2 (got {self.samples_per_prompt})")
         if self.num_prompts < 1:
@@ -98,26 +107,44 @@ class DPO(Algorithm):
         return ("seq_mean_token_mean", 1.0) if cfg.length_normalize else ("seq_mean_token_sum_norm", 1.0)
 
     @staticmethod
-    def coefficient(batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_weight(batch: Batch) -> torch.Tensor | None:
+        """Each pair's weight in the loss [B/2], or None: every pair weighs 1. Online DPO gives a tie (no preference)
+        weight 0."""
+        return None
+
+    @classmethod
+    def coefficient(cls, batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> tuple[torch.Tensor, dict]:
         B, R = logp.shape
         z, chosen, rejected = margin(batch, logp, cfg)  # [B/2] each
         eps = cfg.label_smoothing
         w = (1 - eps) * torch.sigmoid(-z) - eps * torch.sigmoid(z)  # [B/2] = −dL/dz
+        weight = cls.pair_weight(batch)  # [B/2] or None
+        if weight is not None:
+            w = w * weight
         # dL/dℓ± = ∓βw, and L is averaged over pairs. The engine divides by the number of sequences, two per pair,
         # so each sequence's GC carries a factor 2: Σ_seq GC/(2·pairs) = Σ_pairs βw/pairs.
         sign = torch.tensor([1.0, -1.0], dtype=logp.dtype, device=logp.device)  # [2] + on o⁺, − on o⁻
         gc = (2 * cfg.beta * w[:, None] * sign).reshape(B, 1) * batch.mask  # [B, R]
-        metrics = {"reward_margin": z.mean(), "pair_accuracy": (z > 0).to(logp.dtype).mean(),
-                   "chosen_logratio": chosen.mean(), "rejected_logratio": rejected.mean(),
-                   "dpo_loss": pair_loss(z, eps).mean()}
+
+        def mean(x):  # over the pairs in the loss (weight > 0): every pair, unless the method weighs them
+            return x.mean() if weight is None else (x * (weight > 0)).sum() / (weight > 0).sum().clamp(min=1)
+
+        metrics = {"reward_margin": mean(z), "pair_accuracy": mean((z > 0).to(logp.dtype)),
+                   "chosen_logratio": mean(chosen), "rejected_logratio": mean(rejected),
+                   "dpo_loss": mean(pair_loss(z, eps))}
         return gc, {k: v.detach() for k, v in metrics.items()}
 
-    @staticmethod
-    def objective(batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> torch.Tensor:
+    @classmethod
+    def objective(cls, batch: Batch, logp: torch.Tensor, cfg: DPOConfig) -> torch.Tensor:
         """Each pair's L on the tokens of both its rows, spread so that DPO's aggregation (`aggregation`) gives the
-        mean over pairs: L on every token under the mean over tokens, L/|o| under the sum."""
+        mean over pairs: L on every token under the mean over tokens, L/|o| under the sum (times the pair's weight
+        where the method weighs pairs)."""
         z, _, _ = margin(batch, logp, cfg)  # [B/2]
-        per_row = pair_loss(z, cfg.label_smoothing).repeat_interleave(2)  # [B] L of the row's pair
+        loss = pair_loss(z, cfg.label_smoothing)  # [B/2]
+        weight = cls.pair_weight(batch)
+        if weight is not None:
+            loss = loss * weight
+        per_row = loss.repeat_interleave(2)  # [B] L of the row's pair
         if not cfg.length_normalize:
             per_row = per_row / batch.mask.sum(-1)  # [B]
         return per_row[:, None] * batch.mask  # [B, R]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
+FAST = ["tests/test_algorithms.py", "tests/test_grpo.py", "tests/test_ppo.py", "tests/test_dpo.py", "tests/test_online_dpo.py", "tests/test_rft.py", "tests/test_sft.py",
         "tests/test_gspo.py", "tests/test_cispo.py", "tests/test_sapo.py", "tests/test_rloo.py", "tests/test_reinforce_pp.py", "tests/test_aggregation.py",
         "tests/test_scoring.py", "tests/test_objective.py"]
 ENGINE = "tests/test_engine.py::test_gradient_invariant_to_micro_batches"
@@ -40,7 +40,7 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/common.py": ["tests/test_grpo.py", "tests/test_ppo.py", "tests/test_rft.py",
                                   "tests/test_environments.py::test_gae_steps_over_the_environment_tokens"],
          "algorithms/gspo.py": ["tests/test_gspo.py"], "algorithms/cispo.py": ["tests/test_cispo.py"],
-         "algorithms/sapo.py": ["tests/test_sapo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
+         "algorithms/sapo.py": ["tests/test_sapo.py"], "algorithms/online_dpo.py": ["tests/test_online_dpo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
          "algorithms/reinforce_pp.py": ["tests/test_reinforce_pp.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
          "posttrain/models/scoring.py": ["tests/test_scoring.py", "tests/test_packing.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
@@ -84,7 +84,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/online_rft.py", "algorithms/dpo.py", "algorithms/ppo.py",
                                      "algorithms/grpo.py")
 GSPO, RLOO, RPP = "algorithms/gspo.py", "algorithms/rloo.py", "algorithms/reinforce_pp.py"
-CISPO, SAPO = "algorithms/cispo.py", "algorithms/sapo.py"
+CISPO, SAPO, ODPO = "algorithms/cispo.py", "algorithms/sapo.py", "algorithms/online_dpo.py"
 COMMON = "algorithms/common.py"  # helpers several methods share (group statistics, GAE, the clip, k3, RFT's indicator)
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
@@ -296,6 +296,18 @@ MUTANTS = [
       "        if cfg.beta < 0:\n            kl_gc"),
     m("gspo-agg", GSPO, "GSPO.aggregation", "token_mean instead of the per-sequence mean",
       'return "seq_mean_token_mean", 1.0', 'return "token_mean", 1.0'),
+    # algorithms/online_dpo.py
+    m("odpo-swap", ODPO, "best_and_worst", "chosen and rejected swapped: the worst sample trained as preferred",
+      "rows += [best, worst]", "rows += [worst, best]"),
+    m("odpo-ties-count", ODPO, "OnlineDPO.pair_weight", "a tie trained as a preference (its first sample chosen)",
+      "return batch.extra[RANKED][0::2]", "return torch.ones_like(batch.extra[RANKED][0::2])"),
+    m("odpo-first-worst", ODPO, "best_and_worst", "rejected the first of the lowest, not the last (a tie's pair is "
+      "then one row twice)", "worst = idx[len(idx) - 1 - int(torch.argmax((r.flip(0) == r.min()).int()))]",
+      "worst = idx[int(torch.argmax((r == r.min()).int()))]"),
+    m("odpo-tie-strict", ODPO, "best_and_worst", "a pair whose rewards differ called a tie where the gap is small",
+      "ranked.append(bool(r.max() > r.min()))", "ranked.append(bool(r.max() - r.min() > 0.5))"),
+    m("dpo-weight-ignored", DPO, "DPO.coefficient", "the method's pair weights ignored in GC",
+      "        if weight is not None:\n            w = w * weight", "        if weight is None:\n            w = w * weight"),
     # algorithms/cispo.py
     m("cispo-sign", CISPO, "CISPO.policy_coefficient", "GC's sign flipped", "gc = weight * adv  #", "gc = -weight * adv  #"),
     m("cispo-clip-not-detached", CISPO, "clipped_weight", "the clipped weight not detached: GC gains ρ's derivative "

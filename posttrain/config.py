@@ -217,6 +217,7 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
         launch.worker_gpus(r.workers, r.gpus, launch.cuda_devices(), launch.local_world())
     plugin = algorithms.get(algo_tree.pop("name"))
     cfg.algorithm = build(plugin.Config, algo_tree, "algorithm")
+    plugin.check(cfg)  # what the method itself cannot serve
     check_normalize(cfg, plugin)
     check_rewards_apply(cfg, plugin)
     curriculum.check(cfg, plugin)

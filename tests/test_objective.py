@@ -33,12 +33,20 @@ def batch_for(plugin, cfg, spread: float, seed: int = 0) -> tuple[Batch, torch.T
     extra = {"values": 0.5 * torch.randn(B, R, generator=g)} if "values" in needs else {}
     if "step_reward" in needs:
         extra.update(step_reward=torch.rand(B, R, generator=g).round(decimals=1) * end, step_end=end)
-    batch = Batch(input_ids=torch.zeros(B, R + 2, dtype=torch.long), attention_mask=torch.ones(B, R + 2), mask=mask,
+    ids = torch.arange(B)[:, None].repeat(1, R + 2)  # each row's ids say which row it was (`prepared`)
+    batch = Batch(input_ids=ids, attention_mask=torch.ones(B, R + 2), mask=mask,
                   prompt_len=2, group=torch.arange(2).repeat_interleave(4),
                   reward=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]), truncated=torch.zeros(B, dtype=torch.bool),
                   old_logp=old if spread or "old_logp" in needs else None,
                   ref_logp=logp + 0.3 * torch.randn(B, R, generator=g) if "ref_logp" in needs else None, extra=extra)
     return batch, logp
+
+
+def prepared(plugin, batch, logp, cfg) -> tuple[Batch, torch.Tensor]:
+    """`plugin.prepare(batch)`, and the log-probs of the rows it kept, in its order (online DPO keeps one pair of each
+    group): each row's ids say which row of `batch` it was."""
+    out, _ = plugin.prepare(batch, cfg)
+    return out, logp[out.input_ids[:, 0]]
 
 
 def objective_grad(plugin, batch, logp0, cfg, mode, norm) -> torch.Tensor:
@@ -65,13 +73,13 @@ def test_gradient_of_the_objective_is_the_surrogates(name, which, spread):
     plugin = get(name)
     cfg = configs(plugin)[which]
     batch, logp = batch_for(plugin, cfg, spread)
-    prepared, _ = plugin.prepare(batch, cfg)
+    ready, logp = prepared(plugin, batch, logp, cfg)
     fixed = plugin.aggregation(cfg)
     for mode, norm in [fixed] if fixed else [(m, 4.0) for m in MODES]:
-        want = surrogate_grad(plugin, prepared, logp, cfg, mode, norm)
-        got = objective_grad(plugin, prepared, logp, cfg, mode, norm)
+        want = surrogate_grad(plugin, ready, logp, cfg, mode, norm)
+        got = objective_grad(plugin, ready, logp, cfg, mode, norm)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, mode=mode: f"{mode}: {m}")
-        assert want.abs().sum() > 0 and (got[prepared.mask == 0] == 0).all()
+        assert want.abs().sum() > 0 and (got[ready.mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("name, which", CASES, ids=[f"{name}-{'sized' if i else 'default'}" for name, i in CASES])
@@ -83,11 +91,11 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch(name, which):
     plugin = get(name)
     cfg = configs(plugin)[which]
     batch, logp = batch_for(plugin, cfg, 0.3)
-    prepared, _ = plugin.prepare(batch, cfg)
+    ready, logp = prepared(plugin, batch, logp, cfg)
     fixed = plugin.aggregation(cfg)
     for mode, norm in [fixed] if fixed else [(m, 4.0) for m in MODES]:
-        want = objective_grad(plugin, prepared, logp, cfg, mode, norm)
-        got = micro_batched_grad(plugin, prepared, logp, cfg, mode, norm, plugin.unit)
+        want = objective_grad(plugin, ready, logp, cfg, mode, norm)
+        got = micro_batched_grad(plugin, ready, logp, cfg, mode, norm, plugin.unit)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m, mode=mode: f"{mode}: {m}")
 
 
@@ -98,12 +106,12 @@ def test_objective_runs_without_grad_and_leaves_the_batch_alone():
         plugin = get(name)
         cfg = configs(plugin)[1]
         batch, logp = batch_for(plugin, cfg, 0.3)
-        prepared, _ = plugin.prepare(batch, cfg)
-        before = {k: v.clone() for k, v in vars(prepared).items() if isinstance(v, torch.Tensor)}
+        ready, logp = prepared(plugin, batch, logp, cfg)
+        before = {k: v.clone() for k, v in vars(ready).items() if isinstance(v, torch.Tensor)}
         with torch.no_grad():
-            value = plugin.objective(prepared, logp, cfg)  # [B, R]
+            value = plugin.objective(ready, logp, cfg)  # [B, R]
         assert value.shape == logp.shape and torch.isfinite(value).all(), name
-        assert all(torch.equal(getattr(prepared, k), v) for k, v in before.items()), name
+        assert all(torch.equal(getattr(ready, k), v) for k, v in before.items()), name
 
 
 def test_clipped_objective_hand_worked():

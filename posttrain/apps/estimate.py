@@ -329,7 +329,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
     for role, nbytes, stage, cpu, formula in parts:
         g, c, where = place(nbytes, stage, cpu)
         rows.append(Row(f"policy {role}", g, c, formula + where))
-    plugin, needs, online, seqs_per_item = method_profile(method, group, beta)
+    plugin, needs, online, seqs_per_item, sampled_per_item = method_profile(method, group, beta)
     if "ref_logp" in needs:
         if lora:
             rows.append(Row("reference model", 0, 0, "the policy's frozen base with adapters disabled"))
@@ -350,8 +350,9 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         rows.append(Row("vLLM engine (rollout)", share, 0, f"{gpu_memory_utilization:g} × {gpu_mem:g} GB "
                         "(its weights and KV cache; asleep during the update)"))
     elif online:
-        kv_f = f"2 × {spec.layers} layers × {spec.kv_heads} kv × {spec.hd} × {p} B × {seqs} seq × {tokens} tok"
-        rows.append(Row("rollout KV cache", kv_cache_bytes(spec, seqs, tokens, dtype), 0, kv_f))
+        sampled = batch * sampled_per_item  # online DPO samples G and trains on a pair
+        kv_f = f"2 × {spec.layers} layers × {spec.kv_heads} kv × {spec.hd} × {p} B × {sampled} seq × {tokens} tok"
+        rows.append(Row("rollout KV cache", kv_cache_bytes(spec, sampled, tokens, dtype), 0, kv_f))
     act, act_f = activation_bytes(spec, seqs * tokens, dtype, grad_ckpt)
     rows.append(Row("activations", act, 0, act_f))
     return Estimate(method, spec, rows, settings)
@@ -359,7 +360,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
 
 def method_profile(method: str, group: int, beta: float):
     """What the registered plugin `method` holds, read from its own declarations rather than a list here:
-    (plugin, needs, samples online, sequences per batch item).
+    (plugin, needs, samples online, sequences trained per batch item, sequences sampled per batch item).
 
     The config is the plugin's `sized_config(beta, group)`: its defaults, with the KL weight and the samples per
     prompt where the method has them (GRPO's β and G, PPO's β; DPO's β is no KL weight, so DPO keeps its own and
@@ -373,7 +374,8 @@ def method_profile(method: str, group: int, beta: float):
     from posttrain.sources import SOURCES  # (transformers): only once the settings are valid
 
     online = SOURCES.find(plugin.source).on_policy  # samples the policy every step: a rollout KV cache
-    return plugin, plugin.needs(cfg), online, plugin.samples_per_prompt(cfg) * plugin.unit
+    sampled = plugin.samples_per_prompt(cfg) if online else 0
+    return plugin, plugin.needs(cfg), online, plugin.rows_per_item(cfg), sampled
 
 
 def _validate(**kw) -> None:

@@ -195,7 +195,7 @@ def models(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Model], list[str]
     if reference is not None:
         beta = getattr(a, "beta", None)
         why = (f"for the KL penalty to it (algorithm.beta={beta:g})" if plugin.kl_penalty and beta is not None
-               else f"{name}'s loss compares the policy's log-probs with its log-probs")
+               else f"the loss of {name} compares the policy's log-probs with its log-probs")
         if reference.scored_once:
             why += "; it scores the data once when the run starts and is then freed"
         origin = cfg.model.ref_path or "a copy of the starting policy"

@@ -333,7 +333,7 @@ def _shape(cfg: RunConfig, plugin, source) -> Shape:
     a, t, r, d = cfg.algorithm, cfg.train, cfg.rollout, cfg.data
     unit = plugin.unit
     n = plugin.samples_per_prompt(a) if source.on_policy else 1
-    rows = t.batch_size * n * unit
+    rows = t.batch_size * (plugin.rows_per_item(a) if source.on_policy else unit)
     micro = max(unit, t.micro_batch_size // unit * unit)
     from_file = plugin.source == "offline" or bool(getattr(a, "pairs_path", None))
     response = d.max_response_len if from_file else r.max_new_tokens
@@ -342,7 +342,7 @@ def _shape(cfg: RunConfig, plugin, source) -> Shape:
     epochs, parts = plugin.epochs(a), plugin.minibatches(a)
     minibatch_rows = _chunks(rows, -(-rows // unit // parts) * unit)
     rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
-    sampled = (rows, rows * rounds) if source.on_policy else (0, 0)
+    sampled = (t.batch_size * n, t.batch_size * n * rounds) if source.on_policy else (0, 0)
     once = 0 if source.on_policy or from_file or not hasattr(a, "num_prompts") else a.num_prompts * a.samples_per_prompt
     return Shape(
         batch_size=t.batch_size, batch_unit=BATCH_UNITS.get(plugin.source, "rows"), samples_per_prompt=n, rows=rows,
