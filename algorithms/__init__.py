@@ -20,9 +20,9 @@ __all__ = ["REGISTRY", "Algorithm", "get", "plugin_of", "register"]
 # Every module of this folder but the shared ones is a method that registers itself on import: a new method is one
 # new file here (or anywhere, named as algorithm.name=path/to/file.py:Class). Listings follow the paper's Table 10
 # (online DPO beside DPO, in the cell the table leaves empty), then GRPO's family in the order of publication (GRPO+PS,
-# from GRPO's own paper, first); any other module after them, by name.
+# from GRPO's own paper, first), then on-policy distillation; any other module after them, by name.
 LISTING = ("sft", "rft", "online_rft", "dpo", "online_dpo", "ppo", "grpo", "grpo_ps", "rloo", "reinforce_pp", "cispo",
-           "gspo", "sapo")
+           "gspo", "sapo", "distill")
 _SHARED = ("base", "common")
 _methods = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in _SHARED and not m.name.startswith("_")]
 for _module in sorted(_methods, key=lambda n: (LISTING.index(n) if n in LISTING else len(LISTING), n)):

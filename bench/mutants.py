@@ -40,12 +40,14 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "algorithms/common.py": ["tests/test_grpo.py", "tests/test_ppo.py", "tests/test_rft.py",
                                   "tests/test_environments.py::test_gae_steps_over_the_environment_tokens"],
          "algorithms/gspo.py": ["tests/test_gspo.py"], "algorithms/cispo.py": ["tests/test_cispo.py"],
-         "algorithms/sapo.py": ["tests/test_sapo.py"], "algorithms/online_dpo.py": ["tests/test_online_dpo.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
+         "algorithms/sapo.py": ["tests/test_sapo.py"], "algorithms/online_dpo.py": ["tests/test_online_dpo.py"],
+         "algorithms/distill.py": ["tests/test_distill.py"], "algorithms/rloo.py": ["tests/test_rloo.py"],
          "algorithms/reinforce_pp.py": ["tests/test_reinforce_pp.py"],
          "posttrain/core/aggregation.py": ["tests/test_aggregation.py"],
          "posttrain/models/scoring.py": ["tests/test_scoring.py", "tests/test_packing.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
          "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
-         "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py", "tests/test_packing.py"],
+         "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py", "tests/test_packing.py",
+                                       "tests/test_distill.py::test_the_engine_scores_the_teacher_at_the_sampling_temperature"],
          "posttrain/core/micro.py": ["tests/test_packing.py"],
          "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"],
          "posttrain/backends/fsdp.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
@@ -85,6 +87,7 @@ A, SFT, RFT, ORFT, DPO, PPO, GRPO = ("algorithms/base.py", "algorithms/sft.py", 
                                      "algorithms/grpo.py")
 GSPO, RLOO, RPP = "algorithms/gspo.py", "algorithms/rloo.py", "algorithms/reinforce_pp.py"
 CISPO, SAPO, ODPO = "algorithms/cispo.py", "algorithms/sapo.py", "algorithms/online_dpo.py"
+DISTILL = "algorithms/distill.py"
 COMMON = "algorithms/common.py"  # helpers several methods share (group statistics, GAE, the clip, k3, RFT's indicator)
 AGG, SCORE = "posttrain/core/aggregation.py", "posttrain/models/scoring.py"
 HF, BATCH = "posttrain/rollout/hf.py", "posttrain/core/batch.py"
@@ -296,6 +299,22 @@ MUTANTS = [
       "        if cfg.beta < 0:\n            kl_gc"),
     m("gspo-agg", GSPO, "GSPO.aggregation", "token_mean instead of the per-sequence mean",
       'return "seq_mean_token_mean", 1.0', 'return "token_mean", 1.0'),
+    # algorithms/distill.py
+    m("distill-sign", DISTILL, "advantage", "the teacher and the student swapped in the KL: A = log π_old − log π_T",
+      "return batch.teacher_logp - old, old", "return old - batch.teacher_logp, old"),
+    m("distill-current-not-old", DISTILL, "advantage", "A from the current log-probs, not the sampling policy's (μ > 1)",
+      "old = (batch.old_logp if batch.old_logp is not None else logp).detach()", "old = logp.detach()"),
+    m("distill-no-clip", DISTILL, "Distill.coefficient", "no clip on the ratio at μ > 1",
+      "gc, metrics = clipped_coefficient(adv, logp, old, batch.mask, cfg.clip_eps, cfg.clip_eps_high)",
+      "gc, metrics = clipped_coefficient(adv, logp, old, batch.mask, 1e9, 1e9)"),
+    m("distill-kl-metric-sign", DISTILL, "Distill.coefficient", "reverse_kl logged with the wrong sign",
+      'metrics["reverse_kl"] = masked_mean(-adv, batch.mask)', 'metrics["reverse_kl"] = masked_mean(adv, batch.mask)'),
+    m("teacher-temperature", TRAIN, "Engine.scored", "the teacher scored at temperature 1, not the sampling one",
+      "            batch.teacher_logp = self.score(self.teacher, batch)",
+      "            batch.teacher_logp = self.score(self.teacher, dataclasses.replace(batch, temperature=1.0))"),
+    m("teacher-is-policy", TRAIN, "Engine.scored", "the policy scored in the teacher's place",
+      "            batch.teacher_logp = self.score(self.teacher, batch)",
+      "            batch.teacher_logp = self.score(self.policy.module, batch)"),
     # algorithms/online_dpo.py
     m("odpo-swap", ODPO, "best_and_worst", "chosen and rejected swapped: the worst sample trained as preferred",
       "rows += [best, worst]", "rows += [worst, best]"),

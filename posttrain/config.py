@@ -229,10 +229,11 @@ def load(recipe: str, overrides: list[str] = ()) -> tuple[RunConfig, dict]:
     if cfg.rollout.reference_on == "workers" and plugin.source != "online":
         raise ConfigError(f"rollout.reference_on: workers score the batches they sample for the online methods; "
                           f"{plugin.name} scores its reference where it trains")
-    if cfg.rollout.reference_on == "workers" and "ref_logp" not in plugin.needs(cfg.algorithm):
+    if cfg.rollout.reference_on == "workers" and not {"ref_logp", "teacher_logp"} & plugin.needs(cfg.algorithm):
         beta = f" with algorithm.beta={cfg.algorithm.beta:g}" if hasattr(cfg.algorithm, "beta") else ""
-        raise ConfigError(f"rollout.reference_on: workers hold the reference for the KL term, and {plugin.name}{beta} "
-                          "has none (no reference is loaded); drop rollout.reference_on")
+        raise ConfigError(f"rollout.reference_on: workers hold the frozen models that score a batch (the reference of "
+                          f"a KL term, a distillation teacher), and {plugin.name}{beta} has none (none is loaded); "
+                          "drop rollout.reference_on")
     if cfg.rollout.tis_cap is not None and plugin.source != "online":
         raise ConfigError(f"rollout.tis_cap: weighs each token of the samples an online method draws as it trains by "
                           f"π_trainer / π_rollout, and {plugin.name} trains on none (its rows are given, or sampled "

@@ -52,6 +52,11 @@ class ModelConfig(Freezable):
     """Local Hugging Face model directory; null builds the embedded tiny model and warms it up with SFT (cached)."""
     ref_path: str | None = None
     """Reference model directory for methods with a KL or a reference (GRPO β > 0, DPO, PPO); null: the start."""
+    teacher_path: str | None = None
+    """The teacher of on-policy distillation (algorithm.name=distill): a local Hugging Face directory whose tokenizer is
+    the policy's, frozen and scored like the reference. Null with the embedded default: the embedded teacher, the tiny
+    model warmed up on worked solutions that never slip (the warm-up with warmup.teacher_accuracy=1), built once and
+    cached like the warm-up."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (`model.lora.r` > 0)."""
 
@@ -350,11 +355,12 @@ class Placement(Freezable):
     weight_bucket_mb: float = 64.0
     """separate: weights travel to the workers in buckets of at most this many MiB (a larger tensor goes alone)."""
     reference_on: str = "trainer"
-    """separate, online methods with a reference (β > 0): where the reference log-probs of each sampled batch are
-    computed. trainer: by the training process before its update; workers: by the rollout workers once the batch is
-    made, each holding a frozen copy of the reference (model.ref_path, else the starting policy, which is LoRA's base
-    too), so that the trainer neither holds nor runs it and the overlap takes its forward off the trainer's side.
-    The two agree to float rounding, not bit for bit (docs/async.md)."""
+    """separate, online methods with a reference (β > 0) or a distillation teacher: where the log-probs of each
+    sampled batch under these frozen models are computed. trainer: by the training process before its update; workers:
+    by the rollout workers once the batch is made, each holding a frozen copy of the reference (model.ref_path, else
+    the starting policy, which is LoRA's base too) and of the teacher (model.teacher_path, or the embedded one), so
+    that the trainer neither holds nor runs them and the overlap takes their forwards off the trainer's side. The two
+    agree to float rounding, not bit for bit (docs/async.md)."""
 
     @property
     def stale(self) -> bool:

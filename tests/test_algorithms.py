@@ -34,9 +34,9 @@ def test_a_config_names_its_method():
 
 def test_builtins_registered_in_table_order():
     """Table 10's methods in its order (online DPO beside DPO), then GRPO's family in order of publication (GRPO+PS,
-    from GRPO's paper, first)."""
-    assert list(REGISTRY)[:13] == ["sft", "rft", "online_rft", "dpo", "online_dpo", "ppo", "grpo", "grpo_ps", "rloo",
-                                   "reinforce_pp", "cispo", "gspo", "sapo"]
+    from GRPO's paper, first), then on-policy distillation."""
+    assert list(REGISTRY)[:14] == ["sft", "rft", "online_rft", "dpo", "online_dpo", "ppo", "grpo", "grpo_ps", "rloo",
+                                   "reinforce_pp", "cispo", "gspo", "sapo", "distill"]
     assert all(get(name).name == name for name in REGISTRY)
 
 
@@ -48,7 +48,7 @@ def test_a_name_registers_once():
 
 def test_unknown_name_lists_the_known_ones():
     # 'grop', not 'gpro': 'gpro' is as close to 'gspo' as to 'grpo', and difflib breaks the tie alphabetically
-    known = ("known: cispo, dpo, grpo, grpo_ps, gspo, online_dpo, online_rft, ppo, reinforce_pp, rft, rloo, sapo, "
-             "sft")
+    known = ("known: cispo, distill, dpo, grpo, grpo_ps, gspo, online_dpo, online_rft, ppo, reinforce_pp, rft, rloo, "
+             "sapo, sft")
     with pytest.raises(ConfigError, match=f"did you mean 'grpo'.*{known}"):
         get("grop")

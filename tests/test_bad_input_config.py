@@ -49,7 +49,7 @@ IGNORED = [  # (recipe, override, fragments): a key the method would never read
     ("grpo_math", "rewards.process=steps", ["rewards.process: step rewards are trained on by grpo_ps", "grpo trains"]),
     ("ppo_math", "rewards.process=model", ["rewards.process: step rewards are trained on by grpo_ps", "ppo trains"]),
     ("sft_math", "rewards.process=steps", ["rewards.process:", "sft trains on none"]),
-    ("sft_math", "rewards.format=0.5", ["rewards.format: read by the methods that score rewards (grpo, gspo,",
+    ("sft_math", "rewards.format=0.5", ["rewards.format: read by the methods that score rewards (cispo, grpo, gspo,",
                                         "sft scores none"]),
     ("rft_math", "rewards.format=0.5", ["rewards.format:", "rft scores none"]),
     ("dpo_math", "rewards={format: 1.0}", ["rewards.format:", "dpo scores none"]),
@@ -98,8 +98,9 @@ def test_config_shows_the_rule_rewards_left_out():
 
 def test_help_names_every_registered_method():
     """`posttrain --help` lists the methods by their papers' names; one registered later must be added to it."""
-    names = {"sft": "SFT", "rft": "RFT", "online_rft": "Online RFT", "dpo": "DPO", "ppo": "PPO", "grpo": "GRPO",
-             "grpo_ps": "GRPO+PS", "gspo": "GSPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+    names = {"sft": "SFT", "rft": "RFT", "online_rft": "Online RFT", "dpo": "DPO", "online_dpo": "Online DPO",
+             "ppo": "PPO", "grpo": "GRPO", "grpo_ps": "GRPO+PS", "gspo": "GSPO", "rloo": "RLOO",
+             "reinforce_pp": "REINFORCE++", "cispo": "CISPO", "sapo": "SAPO", "distill": "on-policy distillation"}
     assert set(algorithms.REGISTRY) == set(names)
     listed = [m.split(" (")[0] for m in METHODS.split(";")[0].split(", ")]
     assert sorted(listed) == sorted(names.values())
@@ -110,7 +111,7 @@ def test_help_names_every_registered_method():
 
 CANNOT_TAKE_EFFECT = [  # (recipe, overrides, fragments): a key given that the run would never read
     ("grpo_math", ["rollout.placement=separate", "rollout.reference_on=workers", "algorithm.beta=0"],
-     ["rollout.reference_on: workers hold the reference", "grpo with algorithm.beta=0 has none"]),
+     ["rollout.reference_on: workers hold the frozen models", "grpo with algorithm.beta=0 has none"]),
     ("gspo_math", ["rollout.placement=separate", "rollout.reference_on=workers"],  # the recipe's β is 0
      ["rollout.reference_on:", "gspo with algorithm.beta=0 has none"]),
     ("sft_math", ["rollout.tis_cap=2"], ["rollout.tis_cap: weighs each token of the samples an online method draws",

@@ -38,7 +38,8 @@ def batch_for(plugin, cfg, spread: float, seed: int = 0) -> tuple[Batch, torch.T
                   prompt_len=2, group=torch.arange(2).repeat_interleave(4),
                   reward=torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1]), truncated=torch.zeros(B, dtype=torch.bool),
                   old_logp=old if spread or "old_logp" in needs else None,
-                  ref_logp=logp + 0.3 * torch.randn(B, R, generator=g) if "ref_logp" in needs else None, extra=extra)
+                  ref_logp=logp + 0.3 * torch.randn(B, R, generator=g) if "ref_logp" in needs else None, extra=extra,
+                  teacher_logp=logp + 0.5 * torch.randn(B, R, generator=g) if "teacher_logp" in needs else None)
     return batch, logp
 
 

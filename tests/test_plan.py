@@ -24,11 +24,14 @@ TINY = ["train.steps=1", "train.batch_size=4", "train.micro_batch_size=3", "roll
 GROUP = ["algorithm.group_size=2"]
 SEPARATE = ["rollout.placement=separate", "rollout.workers=1"]
 ONCE = ["algorithm.num_prompts=4", "algorithm.samples_per_prompt=2"]  # RFT's and DPO's samples drawn at the start
-GROUPED = ("grpo_math", "grpo_ps_math", "gspo_math", "drgrpo_math", "dapo_math", "rloo_math", "reinforce_pp_math")
+GROUPED = ("grpo_math", "grpo_ps_math", "gspo_math", "drgrpo_math", "dapo_math", "rloo_math", "reinforce_pp_math",
+           "cispo_math", "sapo_math", "online_dpo_math")
+TEACHER = "model.teacher_path={model}"  # the run's own starting model as the distillation teacher (its tokens)
 GSM8K = Path(__file__).parent / "fixtures" / "gsm8k"
 RECIPE_OVERRIDES = {**{r: GROUP for r in GROUPED}, "rft_math": ONCE, "dpo_math": ONCE,
                     "ppo_math": ["algorithm.samples_per_prompt=2"], "online_rft_math": ["algorithm.samples_per_prompt=2"],
                     "grpo_tools": [*GROUP, "env.max_turns=2"],
+                    "distill_math": ["algorithm.samples_per_prompt=2", TEACHER],
                     "sft_gsm8k": [f"data.path={GSM8K / 'train_head.jsonl'}", f"data.test_path={GSM8K / 'test_head.jsonl'}",
                                   "data.max_prompt_len=128", "data.max_response_len=64"]}
 COMBINATIONS = {
@@ -52,7 +55,8 @@ CASES = {**{r: (r, RECIPE_OVERRIDES.get(r, [])) for r in config.known_recipes()}
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_explain_prints_the_plan_the_run_records(case, tiny_model_dir, tmp_path):
     recipe, overrides = CASES[case]
-    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", *TINY, *overrides]
+    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", *TINY,
+                 *(o.format(model=tiny_model_dir) for o in overrides)]
     explained = posttrain_here("explain", f"recipe={recipe}", *overrides, "--json")
     assert explained.returncode == 0, explained.stderr
     printed = json.loads(explained.stdout)["plan"]
@@ -73,6 +77,7 @@ def test_explain_prints_the_plan_the_run_records(case, tiny_model_dir, tmp_path)
     ref = roles.get("reference")
     assert ("reference_weights" in held) == (ref is not None and ref["where"] == "trainer")
     assert ("critic_weights" in held) == ("critic" in roles)
+    assert ("teacher_weights" in held) == ("teacher" in roles)
     if ref is not None and ref["where"] == "workers":
         assert summary["rollout_workers"]["workers"] == printed["rollout"]["workers"] == 1
 

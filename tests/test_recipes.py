@@ -15,7 +15,9 @@ PER_RECIPE = {"rft_math": ["algorithm.num_prompts=16"], "dpo_math": ["algorithm.
               "gspo_math": ["algorithm.group_size=2"], "drgrpo_math": ["algorithm.group_size=2"],
               "dapo_math": ["algorithm.group_size=2"], "rloo_math": ["algorithm.group_size=2"],
               "reinforce_pp_math": ["algorithm.group_size=2"], "grpo_tools": ["algorithm.group_size=2"],
-              "ppo_math": ["algorithm.samples_per_prompt=2"],
+              "ppo_math": ["algorithm.samples_per_prompt=2"], "cispo_math": ["algorithm.group_size=2"],
+              "sapo_math": ["algorithm.group_size=2"], "online_dpo_math": ["algorithm.group_size=2"],
+              "distill_math": ["algorithm.samples_per_prompt=2"],
               "sft_gsm8k": [f"data.path={FIXTURES / 'gsm8k' / 'train_head.jsonl'}", "eval.k=2",
                             f"data.test_path={FIXTURES / 'gsm8k' / 'test_head.jsonl'}", "train.precision=fp32"]}
 
@@ -23,8 +25,9 @@ PER_RECIPE = {"rft_math": ["algorithm.num_prompts=16"], "dpo_math": ["algorithm.
 @pytest.mark.parametrize("recipe", sorted(config.known_recipes()))
 def test_recipe_runs(recipe, warm_model_dir, tmp_path):
     out = tmp_path / recipe
+    teacher = [f"model.teacher_path={warm_model_dir}"] if recipe == "distill_math" else []  # the student's own tokens
     proc = posttrain("run", f"recipe={recipe}", f"model.path={warm_model_dir}", f"output_dir={out}", *TINY,
-                     *PER_RECIPE.get(recipe, []))
+                     *PER_RECIPE.get(recipe, []), *teacher)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and "accuracy" in summary["eval_after"]

@@ -28,8 +28,8 @@ EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.ste
 
 # The registered methods (algorithm.name), by their papers' names; written out, as importing the plugins would cost
 # `--help` the second torch takes (tests/test_cli.py checks it against the registry).
-METHODS = ("SFT, RFT, Online RFT, DPO, PPO, GRPO, GRPO+PS (process supervision), GSPO, RLOO, REINFORCE++; DAPO and "
-           "Dr. GRPO as GRPO recipes")
+METHODS = ("SFT, RFT, Online RFT, DPO, Online DPO, PPO, GRPO, GRPO+PS (process supervision), RLOO, REINFORCE++, "
+           "CISPO, GSPO, SAPO, on-policy distillation; DAPO and Dr. GRPO as GRPO recipes")
 
 
 def _split_recipe(items: list[str]) -> tuple[str, list[str]]:
@@ -99,10 +99,14 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
         from posttrain import environments  # one line now, not after the warm-up
 
         environments.check(environments.get(cfg.env.name), cfg.env)
+    teacher_path = warmup.teacher(cfg)  # model.teacher_path, checked; None where the method has no teacher
     model_path = cfg.model.path
     if model_path is None:
         model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
-    return run(cfg, resolved, model_path=model_path, splits=splits, summary=summary, quiet=quiet)
+        if teacher_path is None and warmup.needs_teacher(cfg):  # the embedded teacher, built once and cached
+            teacher_path, summary["teacher"] = warmup.ensure_teacher(cfg, quiet=quiet)
+    return run(cfg, resolved, model_path=model_path, splits=splits, summary=summary, quiet=quiet,
+               teacher_path=teacher_path)
 
 
 def cmd_run(args) -> int:

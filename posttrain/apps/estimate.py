@@ -15,12 +15,14 @@ Each method is a set of model roles (docs/unified_view.md: the engine loads a re
 | DPO    | trained | frozen                 | -       | -                         | -                |
 | PPO    | trained | frozen (absent, beta=0)| trained | frozen (reward_model=true)| batch sequences  |
 | GRPO   | trained | frozen (absent, beta=0)| -       | frozen if reward_model    | batch·G sequences|
+| distill| trained | - (a frozen teacher)   | -       | -                         | batch·n sequences|
 
 The rows come from each plugin's own declarations (`method_profile`), so RFT, Online RFT and any method registered
 later appear without a list here to edit.
 
 Assumptions (render() prints them with the numbers):
-1. Critic and reward model have the policy's architecture (the value head vs lm_head difference is ignored).
+1. Critic, reward model and a distillation teacher have the policy's architecture (the value head vs lm_head
+   difference is ignored; a teacher larger than the student holds its own size more).
 2. `batch` is per GPU (data parallel): prompts for PPO/GRPO, rows for SFT, pairs for DPO (chosen and rejected run
    as one 2·batch forward, as TRL does). Rollout and training use the same batch (no micro-batching).
 3. The rollout KV cache (HF generate) is freed before the backward pass, so the total counts the larger of the
@@ -269,7 +271,7 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
     """Per-GPU memory of `method` on `gpus` GPUs; the module docstring lists the roles and assumptions.
 
     Args:
-        spec: the model (policy; critic, reference and reward model are taken to be the same size).
+        spec: the model (policy; critic, reference, teacher and reward model are taken to be the same size).
         method: a registered method (`posttrain.algorithms`): what it holds comes from `method_profile`.
         gpus: data-parallel GPUs that ZeRO shards over.
         zero: ZeRO stage 0-3. offload: "none", "optimizer" (moments and master) or "params" (also weights; "all"
@@ -336,6 +338,9 @@ def estimate(spec: ModelSpec, method: str, *, gpus: int = 1, zero: int = 0, offl
         else:
             g, c, where = place(frozen.params, 3, off_par)
             rows.append(Row("reference model", g, c, f"frozen: {_num(n)} × {p} B{where}"))
+    if "teacher_logp" in needs:  # frozen and scored like the reference; a larger teacher holds more
+        g, c, where = place(frozen.params, 3, off_par)
+        rows.append(Row("teacher model", g, c, f"frozen, policy-sized: {_num(n)} × {p} B{where}"))
     if "values" in needs:
         placed = [place(nbytes, stage, cpu) for _, nbytes, stage, cpu, _ in parts]
         rows.append(Row("critic (weights+grads+moments+master)", sum(x[0] for x in placed),

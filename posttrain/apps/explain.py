@@ -207,6 +207,18 @@ def models(cfg: RunConfig, plugin, run: RunPlan) -> tuple[list[Model], list[str]
         out.append(Model("reference", origin, False, why))
     elif cfg.model.ref_path:
         notes.append(f"model.ref_path is set, but {name} with these settings needs no reference: not loaded")
+    teacher = run.role("teacher")
+    if teacher is not None:
+        origin = (teacher.origin if teacher.origin != "embedded" else "the embedded teacher: the tiny model warmed up "
+                  "on worked solutions that never slip (cached)")
+        why = ("scores every sampled token at the sampling temperature; the GC is its log-prob minus the policy's (the "
+               "per-token reverse KL)")
+        if teacher.where == "workers":
+            origin += ", held by each rollout worker (rollout.reference_on=workers), not by the trainer"
+            why += "; the workers score each batch they sample"
+        out.append(Model("teacher", origin, False, why))
+    elif cfg.model.teacher_path:
+        notes.append(f"model.teacher_path is set, but {name} learns from no teacher: not loaded")
     if run.role("critic") is not None:
         origin = getattr(a, "critic_path", None) or "the starting policy's weights, with a value head"
         lr = getattr(a, "critic_lr", None)
@@ -250,12 +262,12 @@ def placement(cfg: RunConfig, run: RunPlan) -> list[tuple[str, str]]:
             where = (f"a process the first training process starts on its machine (rollout.launcher=local), "
                      f"{cores}, {_n(r.worker_threads, 'thread')}{device}")
         out.append((f"rollout worker {i}", where + weights))
-    reference = run.role("reference")
-    if reference is not None:
-        out.append(("reference", {"workers": "on each rollout worker, beside its sampler (rollout.reference_on="
-                                             "workers)",
-                                  "adapter_off": "the training processes' policy, its LoRA adapter off"}
-                    .get(reference.where, "in the training processes")))
+    for name in ("reference", "teacher"):
+        frozen = run.role(name)
+        if frozen is not None:
+            out.append((name, {"workers": "on each rollout worker, beside its sampler (rollout.reference_on=workers)",
+                               "adapter_off": "the training processes' policy, its LoRA adapter off"}
+                        .get(frozen.where, "in the training processes")))
     for role in ("critic", "reward_model"):
         if run.role(role) is not None:
             out.append((role.replace("_", " "), "in the training processes"))
@@ -496,8 +508,8 @@ def render(plan: Plan) -> str:
                        f"gradients adding up until its optimizer step; at most "
                        f"{_n(p.micro_batches_per_step, 'forward/backward pass')} per step, fewer for shorter rows.")
     if p.scored:
-        names = {"ref_logp": "reference log-probs", "old_logp": "old log-probs (the policy as it sampled)",
-                 "values": "values (the critic)"}
+        names = {"ref_logp": "reference log-probs", "teacher_logp": "teacher log-probs",
+                 "old_logp": "old log-probs (the policy as it sampled)", "values": "values (the critic)"}
         forwards = math.ceil(p.rows / p.micro_batch_size)
         lines += _wrap(f"Before the update, scored over the whole batch, {_n(forwards, 'forward pass')} each: "
                        + ", ".join(names[s] for s in p.scored) + ".")

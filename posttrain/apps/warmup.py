@@ -116,6 +116,45 @@ def ensure(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
     return out / "model", {"cached": False, "path": str(out / "model"), "seconds": time.perf_counter() - t0}
 
 
+def needs_teacher(cfg: RunConfig) -> bool:
+    """Whether the run's method learns from a teacher's log-probs (on-policy distillation)."""
+    from posttrain.config import algorithm_of
+
+    return "teacher_logp" in algorithm_of(cfg).needs(cfg.algorithm)
+
+
+def teacher(cfg: RunConfig) -> Path | None:
+    """`model.teacher_path` where the method has a teacher, checked to be a model directory before any work (a warm-up
+    included); None where it has none, or where the embedded default builds its own (`ensure_teacher`). A real
+    policy (`model.path`) without a teacher is refused: there is no embedded teacher for its tokens."""
+    from posttrain.models.loading import check_files
+
+    if not needs_teacher(cfg):
+        return None
+    if cfg.model.teacher_path is None:
+        if cfg.model.path is not None:
+            raise ConfigError("model.teacher_path: distillation learns from a teacher's log-probs; give a local "
+                              "checkpoint whose tokenizer is the policy's (only the embedded default builds its own)")
+        return None
+    path = Path(cfg.model.teacher_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.teacher_path: '{path}' is not a model directory (no config.json)")
+    check_files(path, "model.teacher_path")
+    return path
+
+
+def ensure_teacher(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:
+    """The embedded teacher of on-policy distillation, trained now if it is not cached: the warm-up of `cfg` with a
+    teacher that never slips (`warmup.teacher_accuracy=1`), so a model of the same size and tokenizer that has learnt
+    the task as the warm-up would have learnt it from worked solutions without slips. Cached like the warm-up, under
+    its own key. Returns (path, info)."""
+    taught_well = dataclasses.replace(cfg, warmup=dataclasses.replace(cfg.warmup, teacher_accuracy=1.0))
+    if not quiet:
+        print("posttrain: the distillation teacher is the embedded model warmed up on worked solutions that never slip",
+              file=sys.stderr)
+    return ensure(taught_well, quiet=quiet)
+
+
 def warmup_splits(warm_cfg: RunConfig, w: WarmupConfig) -> tuple[list[dict], list[dict]]:
     """The warm-up's (training, held-out) rows: on the arithmetic task with `teacher_accuracy` < 1, the teacher's
     worked solutions of each training question (`posttrain.data.embedded.taught`); else the task's rows as they are."""

@@ -26,6 +26,7 @@ class Batch:
     old_logp: torch.Tensor | None = None  # [B, R] log π_old, the policy that sampled the batch
     rollout_logp: torch.Tensor | None = None  # [B, R] log-probs the rollout engine reported for the tokens it drew
     ref_logp: torch.Tensor | None = None  # [B, R] log π_ref
+    teacher_logp: torch.Tensor | None = None  # [B, R] log π_T, the distillation teacher's
     adv: torch.Tensor | None = None  # [B] or [B, R] advantage
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, ...] per-sample tensors a plugin adds
     # What a rollout record carries beyond the tokens, for off-policy correction and multi-turn environments:

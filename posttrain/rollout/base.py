@@ -85,9 +85,10 @@ class Workers(RolloutEngine):
     training processes share (posttrain.rollout.shared) both implement it. Restarts, placement and weight staging
     stay inside."""
 
-    def score_reference(self, batch: Batch) -> torch.Tensor:
-        """log π_ref of `batch`'s response tokens [B, R], scored by the workers' frozen reference
-        (rollout.reference_on=workers)."""
+    def score_frozen(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The log-probs of `batch`'s response tokens under the frozen models the workers hold
+        (rollout.reference_on=workers), by the batch field each fills: "ref_logp" (the reference), "teacher_logp"
+        (the distillation teacher); [B, R] each."""
         raise NotImplementedError
 
     def take_idle(self) -> float:

@@ -109,10 +109,10 @@ class SharedPool(Workers):
             torch.set_rng_state(rng)
         return batch
 
-    def score_reference(self, batch: Batch) -> torch.Tensor:
-        """The reference log-probs of this process's batch ([B, R]), scored by the workers in one call for every
-        process (rollout.reference_on=workers)."""
-        return self._through_first(scoring_rows(batch), self.pool.score_references if self.pool is not None else None)
+    def score_frozen(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """This process's batch's log-probs under the workers' frozen models, by field ([B, R] each), scored in one
+        call for every process (rollout.reference_on=workers)."""
+        return self._through_first(scoring_rows(batch), self.pool.score_frozen_parts if self.pool is not None else None)
 
     def _through_first(self, mine, serve):
         """A collective call: every process hands `mine` to the first, which answers them all with `serve(parts)`

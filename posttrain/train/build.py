@@ -38,7 +38,7 @@ from posttrain.train.producer import Producer
 
 
 def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tuple[list[dict], list[dict]],
-          plan: RunPlan | None = None) -> Engine:
+          plan: RunPlan | None = None, teacher_path: str | Path | None = None) -> Engine:
     """The run's engine with all its parts, as `plan` says.
 
     Args:
@@ -48,6 +48,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
         splits: (training rows, held-out rows).
         plan: how the run is assembled (posttrain/train/plan.py), which nothing here decides again; None: the plan of
             `cfg` on this machine.
+        teacher_path: the distillation teacher's directory where the plan has a teacher: model.teacher_path, or the
+            embedded teacher's (posttrain.apps.warmup.ensure_teacher).
     """
     plan = plan or make_plan(cfg, Machine.here(cfg))
     model_path = Path(model_path)
@@ -79,6 +81,17 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
     elif reference is not None and reference.where == "trainer":
         ref = backend.freeze(load(cfg.model.ref_path or model_path, dtype=frozen, key="model.ref_path")[0])
 
+    teacher, teacher_on_workers = None, None
+    if plan.role("teacher") is not None:  # frozen and scored like the reference; its tokens must be the policy's
+        if teacher_path is None:
+            raise ConfigError("model.teacher_path: distillation needs a teacher, and none was given")
+        model, _ = load(teacher_path, dtype=frozen, key="model.teacher_path", same_vocab_as=tokenizer)
+        if plan.role("teacher").where == "workers":  # checked here, held by each worker
+            teacher_on_workers = Path(teacher_path)
+            del model
+        else:
+            teacher = backend.freeze(model)
+
     parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps,
                                  total=plan.shape.scheduled_updates, cycles=t.lr_cycles, floor=t.min_lr / t.lr)
@@ -104,9 +117,9 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
     if p.placement != "separate":
         rollouts = rollout.get(cfg.rollout.engine).start(setup)
     elif lanes is None:
-        rollouts = start_workers(cfg, plan, setup, dtype, ref_on_workers)
+        rollouts = start_workers(cfg, plan, setup, dtype, ref_on_workers, teacher_on_workers)
     else:  # the first process holds the workers; every process samples through them in collective calls
-        pool = start_workers(cfg, plan, setup, dtype, ref_on_workers) if backend.rank == 0 else None
+        pool = start_workers(cfg, plan, setup, dtype, ref_on_workers, teacher_on_workers) if backend.rank == 0 else None
         backend.barrier()  # the others wait while the first starts them
         rollouts = SharedPool(pool, lanes.main, shared_rng=p.shared_rng, name=cfg.rollout.engine,
                               takes_adapter=p.weight_sync == "adapter")
@@ -136,16 +149,16 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
 
     def make_producer(source):  # the online source's batches, made ahead; the others sampled at the start
         return Producer(source, controllers.draws, source_rollouts, p.max_staleness, t.steps, backend.autocast,
-                        reference=ref_on_workers is not None)
+                        frozen=ref_on_workers is not None or teacher_on_workers is not None)
 
     engine = Engine(cfg=cfg, plan=plan, backend=backend, model_path=model_path, plugin=plugin, tokenizer=tokenizer,
                     judge=judge, policy=trained_policy, ref=ref, ref_is_base=reference is not None and
-                    reference.where == "adapter_off", critic=critic, rollout=rollouts, controllers=controllers,
+                    reference.where == "adapter_off", teacher=teacher, critic=critic, rollout=rollouts, controllers=controllers,
                     test_rows=test_rows, parameters=parameters, roles=roles, episodes=episodes,
                     make_source=make_source,
                     make_producer=make_producer if ahead else None)
     rm = getattr(judge.reward_model, "model", None)
-    for role, model in (("policy_weights", sampler), ("reference_weights", ref),
+    for role, model in (("policy_weights", sampler), ("reference_weights", ref), ("teacher_weights", teacher),
                         ("critic_weights", critic and critic.module), ("reward_model_weights", rm)):
         if model is not None:
             roles.observe(role, backend.weight_bytes(model))
@@ -153,12 +166,12 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
 
 
 def start_workers(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
-                  reference: Path | None = None) -> WorkerPool:
+                  reference: Path | None = None, teacher: Path | None = None) -> WorkerPool:
     """The rollout workers of `rollout.placement=separate`, each on the cores the plan gives it (the trainer keeping
-    the rest); holding the reference model in `reference` when given."""
+    the rest); holding the reference model in `reference` and the teacher in `teacher` when given."""
     r, p = cfg.rollout, plan.rollout
     began = time.perf_counter()
-    spec = worker_spec(cfg, plan, setup, dtype, reference)
+    spec = worker_spec(cfg, plan, setup, dtype, reference, teacher)
     launcher = None  # local: processes of this one
     if p.launcher == "ray":  # Ray actors, each in a placement group bundle of its own, on any node of the cluster
         from posttrain.rollout.workers.actors import RayLauncher
@@ -173,9 +186,9 @@ def start_workers(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: st
 
 
 def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
-                reference: Path | None = None) -> WorkerSpec:
+                reference: Path | None = None, teacher: Path | None = None) -> WorkerSpec:
     """What each rollout worker builds: the trainer's sampler, on its own copy of the starting policy; and the frozen
-    reference model in `reference`, when given (rollout.reference_on=workers)."""
+    reference model in `reference` and teacher in `teacher`, when given (rollout.reference_on=workers)."""
     r, p = cfg.rollout, plan.rollout
     scoring = plan.passes.worker_scoring
     return WorkerSpec(engine=r.engine, model_path=str(setup.model_path), dtype=dtype, precision=setup.precision,
@@ -185,6 +198,7 @@ def worker_spec(cfg: RunConfig, plan: RunPlan, setup: rollout.Setup, dtype: str,
                       transport=p.transport if p.transport != "none" else "gloo",
                       attention=trainer_attention(setup.policy),
                       reference=str(reference) if reference is not None else None,
+                      teacher=str(teacher) if teacher is not None else None,
                       reference_dtype=weights_dtype(setup.precision, trained=False),
                       **({"micro": scoring.rows, "micro_tokens": scoring.tokens, "packing": scoring.packing}
                          if scoring is not None else {}))

@@ -54,6 +54,7 @@ class Engine:
         plugin: the method's plugin.
         policy, critic: the trained models as the backend wraps them (critic None when not needed).
         ref, ref_is_base: the frozen reference model, or (LoRA) True to score the policy with its adapter off.
+        teacher: the frozen distillation teacher (None when the method has none).
         rollout: the rollout engine; judge: rewards and verdicts; controllers: the run's changing state.
         test_rows: the held-out rows; parameters: trained and total parameter counts; roles: bytes by role.
         episodes: with env.name, the Episodes the source and the evaluation sample with (sources/episodes.py).
@@ -64,12 +65,14 @@ class Engine:
 
     def __init__(self, *, cfg: RunConfig, plan: RunPlan, backend: Backend, model_path: Path, plugin, tokenizer,
                  judge, policy: Trained, ref, ref_is_base: bool, critic: Trained | None, rollout, controllers,
+                 teacher=None,
                  test_rows: list[dict], parameters: dict, roles: RoleBytes, episodes=None,
                  make_source: Callable, make_producer: Callable | None = None):
         self.cfg, self.plan, self.backend, self.model_path, self.plugin = cfg, plan, backend, model_path, plugin
         self.needs = frozenset(plan.needs)
         self.tokenizer, self.judge, self.policy, self.critic, self.rollout = tokenizer, judge, policy, critic, rollout
         self.ref, self.ref_is_base, self.controllers, self.episodes = ref, ref_is_base, controllers, episodes
+        self.teacher = teacher
         self.test_rows, self.parameters, self.roles, self.phases = test_rows, parameters, roles, PhasePeaks()
         t, a, r = cfg.train, cfg.algorithm, plan.rollout
         self.weight_sync = r.weight_sync  # what reaches the rollout engine after each update (the plan's)
@@ -81,7 +84,7 @@ class Engine:
         self.micro = update.rows
         self.micro_tokens = update.tokens  # None: micro-batches of self.micro rows
         # train.packing where every model scored confines attention to each packed sequence; else padded (run notes)
-        self.packed = update.packing and packs_all(policy.module, ref, critic and critic.module)
+        self.packed = update.packing and packs_all(policy.module, ref, teacher, critic and critic.module)
         config = getattr(lora.hf_model(policy.module), "config", None)
         self.model_type = f"{getattr(config, 'model_type', '?')} ({getattr(config, '_attn_implementation', '?')})"
         self.algorithm = a  # the plugin's config of the step under way: the validated one, or with a scheduled β
@@ -144,9 +147,12 @@ class Engine:
                 packed=self.packed))  # [B, R]
 
     def scored(self, batch: Batch) -> Batch:
-        """`batch` with what the plugin asked the engine for (reference and old log-probs, the critic's values)."""
+        """`batch` with what the plugin asked the engine for (reference, teacher and old log-probs, the critic's
+        values)."""
         if self.has_reference:
             batch.ref_logp = self.reference_logp(batch)
+        if self.teacher is not None:  # at the sampling temperature, as the reference
+            batch.teacher_logp = self.score(self.teacher, batch)
         if "old_logp" in self.needs:
             batch.old_logp = self.score(self.policy.module, batch)
         if self.critic is not None:

@@ -37,7 +37,7 @@ from posttrain.train.tracking import Tracker
 
 def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         splits: tuple[list[dict], list[dict]] | None = None, summary: dict | None = None,
-        quiet: bool = False) -> dict | None:
+        quiet: bool = False, teacher_path: str | Path | None = None) -> dict | None:
     """Trains as `cfg` says and writes the run directory.
 
     Args:
@@ -45,6 +45,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
         model_path: the starting policy; None: `cfg.model.path`.
         splits: (training rows, held-out rows) already loaded; None loads them.
         summary: entries to start summary.json with (the warm-up that made the model, say).
+        teacher_path: the distillation teacher, where the method has one; None: `cfg.model.teacher_path`.
 
     Returns:
         The summary on the main process, None on the others.
@@ -73,7 +74,7 @@ def run(cfg: RunConfig, resolved: dict, *, model_path: str | Path | None = None,
                "threads": threads.threads}
     splits = splits or run_splits(cfg)  # bad data fails here, before any training
     set_seed(cfg.seed)
-    engine = build(cfg, model_path, backend, splits, run_plan)
+    engine = build(cfg, model_path, backend, splits, run_plan, teacher_path=teacher_path or cfg.model.teacher_path)
     try:
         summary["plan"] = run_plan.to_dict()  # what `posttrain explain` prints for this config, on this machine
         summary["rollout_engine"] = engine.rollout.name  # the engine that really started

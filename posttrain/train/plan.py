@@ -60,9 +60,9 @@ def launched_processes() -> int:
 class Role:
     """A model the run holds: what it is for, where it lives, where it comes from, and whether it is trained."""
 
-    role: str  # policy, reference, critic, reward_model, process_reward_model
+    role: str  # policy, reference, teacher, critic, reward_model, process_reward_model
     where: str  # trainer; adapter_off (the policy with its LoRA adapter off); workers (rollout.reference_on=workers)
-    origin: str  # a directory, or "start" (the starting policy)
+    origin: str  # a directory, "start" (the starting policy) or "embedded" (the embedded teacher, built and cached)
     trained: bool
     scored_once: bool = False  # the source scores its data with it once, at the start, and it is freed (DPO)
 
@@ -107,7 +107,7 @@ class Passes:
 
     update: MicroBatching  # the policy's forward and backward (and the critic's)
     trainer_scoring: MicroBatching  # reference and old log-probs, values, before the update
-    worker_scoring: MicroBatching | None  # the reference on the rollout workers (rollout.reference_on=workers)
+    worker_scoring: MicroBatching | None  # the reference or teacher on the rollout workers (rollout.reference_on=workers)
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,10 @@ class RunPlan:
 
     @property
     def reference_on(self) -> str | None:
-        """Where the reference log-probs are scored: trainer (each step, or once by the source), workers, or None."""
-        ref = self.role("reference")
-        return None if ref is None else "workers" if ref.where == "workers" else "trainer"
+        """Where the frozen models that score a batch (the reference, the distillation teacher) do it: trainer (each
+        step, or once by the source), workers, or None where the method has neither."""
+        frozen = [r for r in self.roles if r.role in ("reference", "teacher")]
+        return None if not frozen else "workers" if any(r.where == "workers" for r in frozen) else "trainer"
 
     def to_dict(self) -> dict:
         """The plan as plain data (summary.json's `plan`, `posttrain explain --json`'s): tuples as lists."""
@@ -206,12 +207,14 @@ def plan(cfg: RunConfig, machine: Machine = Machine()) -> RunPlan:
     roles = _roles(cfg, plugin, source, needs)
     rollout = _rollout(cfg, plugin, machine)
     ref = next((x for x in roles if x.role == "reference"), None)
-    scored = tuple(k for k in ("ref_logp", "old_logp", "values") if k in needs and not (
-        k == "ref_logp" and ref is not None and (ref.scored_once or ref.where == "workers")))
+    on_workers = {x.role for x in roles if x.where == "workers"}  # scored by the workers as they make the batch
+    scored = tuple(k for k in ("ref_logp", "teacher_logp", "old_logp", "values") if k in needs and not (
+        k == "ref_logp" and ref is not None and (ref.scored_once or ref.where == "workers")) and not (
+        k == "teacher_logp" and "teacher" in on_workers))
     rows = MicroBatching(max(plugin.unit, t.micro_batch_size // plugin.unit * plugin.unit), t.micro_batch_tokens,
                          t.packing)
-    # the workers score the reference as the trainer scores (posttrain.core.micro, one implementation)
-    worker = rows if ref is not None and ref.where == "workers" else None
+    # the workers score the frozen models as the trainer scores (posttrain.core.micro, one implementation)
+    worker = rows if on_workers else None
     e = cfg.eval
     evaluation = Evaluation(num_problems=e.num_problems, every=e.every, batch_size=e.batch_size,
                             max_new_tokens=e.max_new_tokens or r.max_new_tokens, k=e.k, n=e.n, stop_on=e.stop_on,
@@ -287,8 +290,9 @@ def _rollout(cfg: RunConfig, plugin, machine: Machine) -> Rollout:
 
 def _roles(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[Role, ...]:
     """The models the run holds for `needs`: a reference iff "ref_logp" (its own model, the policy with its adapter
-    off under LoRA without model.ref_path, or on the rollout workers); a critic iff "values"; a reward model iff
-    "reward" and reward_model.path; a process reward model iff "step_reward" and rewards.process=model."""
+    off under LoRA without model.ref_path, or on the rollout workers); a teacher iff "teacher_logp"; a critic iff
+    "values"; a reward model iff "reward" and reward_model.path; a process reward model iff "step_reward" and
+    rewards.process=model."""
     a, adapters = cfg.algorithm, bool(cfg.model.lora.r)
     out = [Role("policy", "trainer", "start", True)]
     if "ref_logp" in needs:
@@ -299,6 +303,9 @@ def _roles(cfg: RunConfig, plugin, source, needs: frozenset[str]) -> tuple[Role,
             out.append(Role("reference", "adapter_off", "start", False, scored_once=source.scores_reference))
         else:
             out.append(Role("reference", "trainer", origin, False, scored_once=source.scores_reference))
+    if "teacher_logp" in needs:  # rollout.reference_on=workers puts every frozen model that scores a batch there
+        out.append(Role("teacher", "workers" if cfg.rollout.reference_on == "workers" else "trainer",
+                        cfg.model.teacher_path or "embedded", False))
     if "values" in needs:
         out.append(Role("critic", "trainer", getattr(a, "critic_path", None) or "start", True))
     if "reward" in needs and cfg.reward_model.path:

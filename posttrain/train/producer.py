@@ -2,8 +2,8 @@
 
 The thread runs the source's whole pipeline (row draws, sampling on the rollout workers, the judge, the stages:
 pass rates, overlong penalty, dynamic sampling, elite replay, step rewards, temperature), and under
-`rollout.reference_on=workers` has the workers score the finished batch under the reference, so the training loop only
-scores what is left and updates. It makes batch j (the batch step j trains on) once the trainer has asked for batch j − k, k being
+`rollout.reference_on=workers` has the workers score the finished batch under the frozen models they hold (the reference,
+the distillation teacher), so the training loop only scores what is left and updates. It makes batch j (the batch step j trains on) once the trainer has asked for batch j − k, k being
 `rollout.max_staleness`: then the weights the workers hold are at least version j − 1 − k, the bound the trainer
 checks on every fresh row. At k = 0 it makes each batch when the trainer asks for it: the synchronous algorithm.
 
@@ -33,12 +33,13 @@ class Producer:
         draws: the row draws (moved to each batch's step before it is made).
         pool: the rollout workers (their idle time and restarts enter each batch's metrics).
         autocast: the backend's autocast context for the source's own forwards (a reward model).
-        reference: the workers score each batch's reference log-probs (rollout.reference_on=workers).
+        frozen: the workers score each batch under the frozen models they hold (rollout.reference_on=workers): its
+            reference log-probs, its teacher's, or both.
     """
 
-    def __init__(self, source, draws, pool, k: int, steps: int, autocast: Callable, reference: bool = False):
+    def __init__(self, source, draws, pool, k: int, steps: int, autocast: Callable, frozen: bool = False):
         self.source, self.draws, self.pool, self.k, self.steps, self.autocast = source, draws, pool, k, steps, autocast
-        self.reference = reference
+        self.frozen = frozen
         self.cond = threading.Condition()
         self.lock = threading.Lock()  # held while a batch is made
         self.ready: collections.deque[tuple[int, Batch, dict]] = collections.deque()  # made, not yet trained
@@ -77,9 +78,10 @@ class Producer:
                     self.draws.at(step - 1)  # the curriculum's pool of the step that trains on it
                     with self.autocast():
                         batch, stats = self.source.next()
-                    if self.reference:
+                    if self.frozen:
                         t0 = time.perf_counter()
-                        batch.ref_logp = self.pool.score_reference(batch)  # [B, R]
+                        for field, logp in self.pool.score_frozen(batch).items():  # ref_logp, teacher_logp
+                            setattr(batch, field, logp)  # [B, R]
                         stats["time/reference"] = time.perf_counter() - t0
                     stats.update({"time/worker_idle": self.pool.take_idle(),
                                   "rollout/worker_restarts": float(self.pool.restarts),

@@ -362,14 +362,13 @@ class WorkerPool(Workers):
             first += len(prompts)
         return out
 
-    def score_reference(self, batch: Batch) -> torch.Tensor:
-        """`batch`'s log-probs under the reference model the workers hold (rollout.reference_on=workers): [B, R]
-        float32, its rows shared between the workers."""
-        return self.score_references([batch])[0]
+    def score_frozen(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """`batch`'s log-probs under the frozen models the workers hold (rollout.reference_on=workers), by the batch
+        field they fill ("ref_logp", "teacher_logp"): [B, R] float32 each, its rows shared between the workers."""
+        return self.score_frozen_parts([batch])[0]
 
-    def score_references(self, parts: list[Batch]) -> list[torch.Tensor]:
-        """`score_reference` of several batches in one call: one a training process, when several share the
-        workers."""
+    def score_frozen_parts(self, parts: list[Batch]) -> list[dict[str, torch.Tensor]]:
+        """`score_frozen` of several batches in one call: one a training process, when several share the workers."""
         with self._requests:
             requests, shares = [], []
             for batch in parts:
@@ -388,7 +387,7 @@ class WorkerPool(Workers):
                 answers.append(logp)
         out = []
         for n in shares:
-            out.append(torch.cat(answers[:n]))
+            out.append({field: torch.cat([a[field] for a in answers[:n]]) for field in answers[0]})
             answers = answers[n:]
         return out
 

@@ -106,29 +106,32 @@ def start_engine(spec: WorkerSpec, device: torch.device | str = "cpu") -> tuple[
     return engine, getattr(config, "_attn_implementation", None) or spec.engine
 
 
-def load_reference(spec: WorkerSpec, device: torch.device | str = "cpu") -> torch.nn.Module | None:
-    """The frozen reference model a worker scores with under rollout.reference_on=workers (None otherwise), with the
-    model's own attention (SDPA): it only runs forwards, where SDPA is the faster on CPU (bf16, long completions,
-    one thread: 0.68 s against eager's 1.1 s for 64 rows, AVX512-BF16 without AMX); the eager attention the trainer
-    gives its models under bf16 is for the update's backward."""
-    if spec.reference is None:
-        return None
+def load_frozen(spec: WorkerSpec, device: torch.device | str = "cpu") -> dict[str, torch.nn.Module]:
+    """The frozen models a worker scores with under rollout.reference_on=workers, by the batch field their log-probs
+    fill: "ref_logp" (the reference) and "teacher_logp" (the distillation teacher), where the spec names them. Each
+    with the model's own attention (SDPA): it only runs forwards, where SDPA is the faster on CPU (bf16, long
+    completions, one thread: 0.68 s against eager's 1.1 s for 64 rows, AVX512-BF16 without AMX); the eager attention
+    the trainer gives its models under bf16 is for the update's backward."""
     from posttrain.models.loading import load
 
-    model, _ = load(spec.reference, dtype=spec.reference_dtype)
-    return model.to(device).eval().requires_grad_(False)
+    out = {}
+    for field, path in (("ref_logp", spec.reference), ("teacher_logp", spec.teacher)):
+        if path is not None:
+            model, _ = load(path, dtype=spec.reference_dtype)
+            out[field] = model.to(device).eval().requires_grad_(False)
+    return out
 
 
 @torch.no_grad()
 def reference_logprobs(model: torch.nn.Module | None, batch: Batch, rows: int, tokens: int | None = None,
                        packing: bool = False) -> torch.Tensor:
-    """log π_ref of `batch`'s response tokens ([B, R] float32), cut into micro-batches as the trainer's scoring passes
-    are (posttrain.core.micro: `rows` rows, or a budget of `tokens` tokens; packed where `packing` asks and the model
+    """log π of `batch`'s response tokens under a frozen `model` (the reference, or the teacher) ([B, R] float32), cut
+    into micro-batches as the trainer's scoring passes are (posttrain.core.micro: `rows` rows, or a budget of `tokens` tokens; packed where `packing` asks and the model
     can), each trimmed of its all-padding columns."""
     from posttrain.models.scoring import packs, token_logprobs
 
     if model is None:
-        raise RuntimeError("asked for reference log-probs, and this worker holds no reference model")
+        raise RuntimeError("asked for log-probs under a frozen model, and this worker holds none")
     packed = packing and packs(model)
     device = next(model.parameters()).device
     out = torch.zeros(batch.mask.shape)  # [B, R]
@@ -161,12 +164,12 @@ class Core:
 
     def connect(self, host: str, port: int, device_host: str | None = None) -> str:
         """Joins the weights group of two over the trainer's store at `host`:`port`, builds the engine and the
-        reference; returns the attention it samples with."""
+        frozen models it scores with (the reference, the teacher); returns the attention it samples with."""
         store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
         self.group = weights_group(dist.PrefixStore(prefix(self.index, self.incarnation), store), 1, self.timeout,
                                    device_host, self.spec.transport)
         self.engine, attention = start_engine(self.spec, self.device)
-        self.reference = load_reference(self.spec, self.device)
+        self.frozen = load_frozen(self.spec, self.device)  # the reference and the teacher, where it scores them
         self.staging = Staging(self.engine, self.device if self.spec.transport == "nccl" else "cpu")
         return attention
 
@@ -178,7 +181,7 @@ class Core:
         self.staging.receive(self.group, version, layout, op_timeout(self.timeout), self.spec.timeout_s)
 
     def answer(self, rid: int, kind: str, payload) -> tuple:
-        """The reply to one request: a sampled batch, reference scores, or a one-line error."""
+        """The reply to one request: a sampled batch, the log-probs under its frozen models, or a one-line error."""
         idle = time.perf_counter() - self.idle_since
         self.served += 1
         fault("die", self.served, self.incarnation, self.kill)
@@ -189,8 +192,11 @@ class Core:
                 if kind == "score":
                     self.scored += 1
                     fault("die_scoring", self.scored, self.incarnation, self.kill)
-                    return ("scores", rid, reference_logprobs(self.reference, payload, spec.micro, spec.micro_tokens,
-                                                              spec.packing), idle)
+                    if not self.frozen:
+                        raise RuntimeError("asked for log-probs under a frozen model, and this worker holds none")
+                    return ("scores", rid, {field: reference_logprobs(model, payload, spec.micro, spec.micro_tokens,
+                                                                      spec.packing)
+                                            for field, model in self.frozen.items()}, idle)
                 prompts, n, sampling, min_version, rng = payload
                 version = self.staging.apply(min_version, spec.timeout_s)
                 torch.set_rng_state(rng)

@@ -34,7 +34,8 @@ class WorkerSpec:
     timeout_s: float
     attention: str | None = None  # the attention implementation to sample with (the trainer's); None: the model's own
     reference: str | None = None  # rollout.reference_on=workers: the reference model's directory; None: no reference
-    reference_dtype: str = "float32"  # its frozen weights' dtype, as the trainer would hold them
+    teacher: str | None = None  # rollout.reference_on=workers: the distillation teacher's directory; None: no teacher
+    reference_dtype: str = "float32"  # the frozen models' weight dtype, as the trainer would hold them
     micro: int = 256  # rows of one reference forward (train.micro_batch_size), as the trainer's scoring passes cut
     micro_tokens: int | None = None  # train.micro_batch_tokens: a token budget instead, where set
     packing: bool = False  # train.packing: sequences packed end to end, where the reference model can confine
@@ -76,5 +77,6 @@ def prefix(index: int, incarnation: int) -> str:
 
 
 def scoring_rows(batch: Batch) -> Batch:
-    """What reference scoring reads of a batch (ids, masks, P, τ), nothing more to send through a queue or a group."""
+    """What scoring under the frozen models reads of a batch (ids, masks, P, τ), nothing more to send through a queue
+    or a group."""
     return Batch(batch.input_ids, batch.attention_mask, batch.mask, batch.prompt_len, temperature=batch.temperature)
