@@ -98,8 +98,14 @@ def prepared(recipe, model_dir, tmp_path):
     if recipe == "sft_gsm8k":  # real GSM8K answers: 50 to 400 tokens, the lengths packing is for
         extra += [f"data.path={FIXTURES / 'gsm8k' / 'train_head.jsonl'}",
                   f"data.test_path={FIXTURES / 'gsm8k' / 'test_head.jsonl'}"]
+    teacher = None
+    if recipe == "distill_math":  # another tiny model with the same tokens: a teacher the student differs from
+        from posttrain.models.embedded import build_model_dir
+
+        teacher = build_model_dir(tmp_path / "teacher", hidden=32, layers=2, heads=2, seed=1)
+        extra.append("algorithm.samples_per_prompt=4")
     cfg, _ = config.load(recipe, [f"model.path={model_dir}", f"output_dir={tmp_path / recipe}", *SMALL, *extra])
-    engine = build(cfg, model_dir, DDP(), run_splits(cfg))
+    engine = build(cfg, model_dir, DDP(), run_splits(cfg), teacher_path=teacher)
     torch.manual_seed(0)
     batch = ragged(engine.source.next()[0], engine.tokenizer.pad_token_id)
     if batch.reward is not None:  # rewards that differ within every group: advantages, and so a gradient

@@ -132,9 +132,8 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
     from safetensors import SafetensorError
 
     tokenizer = load_tokenizer(path, key)
-    if same_vocab_as is not None and tokenizer.get_vocab() != same_vocab_as.get_vocab():
-        raise UserError(f"{key}: the model at '{path}' has a different tokenizer from the policy "
-                        f"({len(tokenizer)} vs {len(same_vocab_as)} tokens); it cannot score the policy's tokens")
+    if same_vocab_as is not None:
+        check_same_vocab(tokenizer, same_vocab_as, path, key)
     auto, kwargs = HEADS[kind]
     pickles = sorted(p.name for p in Path(path).glob("pytorch_model*.bin"))
     if pickles and not any(Path(path).glob("*.safetensors")):
@@ -147,6 +146,14 @@ def load(path: str | Path, kind: str = "causal_lm", *, dtype: str = "float32", k
         raise UserError(f"{key}: cannot load '{path}' as a {kind.replace('_', ' ')} "
                         f"({str(err).splitlines()[0]})") from None
     return model, tokenizer
+
+
+def check_same_vocab(tokenizer, policy_tokenizer, path: str | Path, key: str) -> None:
+    """UserError naming `key` unless `tokenizer` (the model's at `path`) maps every token as the policy's does: a model
+    that scores the policy's tokens (a critic, a distillation teacher) must read them as the same tokens."""
+    if tokenizer.get_vocab() != policy_tokenizer.get_vocab():
+        raise UserError(f"{key}: the model at '{path}' has a different tokenizer from the policy "
+                        f"({len(tokenizer)} vs {len(policy_tokenizer)} tokens); it cannot score the policy's tokens")
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -24,7 +24,7 @@ from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.data.lengths import check_token_budget
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
-from posttrain.models.loading import check_files, load, stop_token_ids
+from posttrain.models.loading import check_files, check_same_vocab, load, load_tokenizer, stop_token_ids
 from posttrain.rollout.shared import Lanes, SharedPool
 from posttrain.rollout.workers import START_S, WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
@@ -85,12 +85,13 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
     if plan.role("teacher") is not None:  # frozen and scored like the reference; its tokens must be the policy's
         if teacher_path is None:
             raise ConfigError("model.teacher_path: distillation needs a teacher, and none was given")
-        model, _ = load(teacher_path, dtype=frozen, key="model.teacher_path", same_vocab_as=tokenizer)
-        if plan.role("teacher").where == "workers":  # checked here, held by each worker
+        if plan.role("teacher").where == "workers":  # its tokens checked here, the model held by each worker
+            check_same_vocab(load_tokenizer(teacher_path, "model.teacher_path"), tokenizer, teacher_path,
+                             "model.teacher_path")
             teacher_on_workers = Path(teacher_path)
-            del model
         else:
-            teacher = backend.freeze(model)
+            teacher = backend.freeze(load(teacher_path, dtype=frozen, key="model.teacher_path",
+                                          same_vocab_as=tokenizer)[0])
 
     parameters = lora.parameter_counts(policy)  # counted whole, before a backend shards them
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps,

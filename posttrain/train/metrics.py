@@ -109,7 +109,7 @@ METRICS: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
         "time/wait_batch": ("s", "the trainer's wait for its batch: its idle time"),
         "time/worker_idle": ("s", "seconds the workers sat idle between requests, summed, while the batch was made"),
         "time/reference": ("s", "`rollout.reference_on=workers`: the workers' scoring of the batch under the "
-                           "reference"),
+                           "reference and the distillation teacher"),
         "rollout/worker_restarts": ("count", "workers restarted so far (dead, or silent past "
                                     "`rollout.worker_timeout_s`)"),
         "clock/step_start": ("s", "when the trainer's step began, on the producer's clock (seconds since the run's "
