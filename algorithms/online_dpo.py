@@ -75,15 +75,15 @@ def best_and_worst(reward: torch.Tensor, group: torch.Tensor) -> tuple[torch.Ten
     [groups] bool). Chosen is the first row with the group's highest reward, rejected the last with its lowest; a
     group whose rewards are all equal gives its first and last rows, unranked. [B] rewards and group ids."""
     rows, ranked = [], []
-    _, first = torch.unique(group, return_inverse=True)
-    for g in dict.fromkeys(first.tolist()):  # groups in order of first appearance
-        idx = (first == g).nonzero().flatten()  # [G] this group's rows, in order
+    _, which = torch.unique(group, return_inverse=True)  # [B] each row's group, numbered 0, 1, …
+    for g in dict.fromkeys(which.tolist()):  # groups in order of first appearance
+        idx = (which == g).nonzero().flatten()  # [G] this group's rows, in order
         r = reward[idx]
         best = idx[int(torch.argmax((r == r.max()).int()))]  # the first maximum
         worst = idx[len(idx) - 1 - int(torch.argmax((r.flip(0) == r.min()).int()))]  # the last minimum
         rows += [best, worst]
         ranked.append(bool(r.max() > r.min()))
-    return torch.stack(rows), torch.tensor(ranked)
+    return torch.stack(rows), torch.tensor(ranked, device=reward.device)
 
 
 @register("online_dpo")
@@ -103,6 +103,10 @@ class OnlineDPO(DPO):
     @classmethod
     def rows_per_item(cls, cfg: OnlineDPOConfig) -> int:
         return 2
+
+    @classmethod
+    def sized_config(cls, kl_weight: float, group: int) -> OnlineDPOConfig:
+        return OnlineDPOConfig(group_size=group)  # β is the loss's temperature, no KL weight: the default stays
 
     @staticmethod
     def check(cfg) -> None:
