@@ -9,9 +9,9 @@ Objective: sample G outputs {o_i} per question q from π_old, give each GRPO's g
     τ_{i,t} = τ_pos if Â_{i,t} > 0 else τ_neg,
 
 with ρ_{i,t} = πθ(o_{i,t}|q,o_{i,<t}) / π_old(o_{i,t}|q,o_{i,<t}) and σ the logistic function. Where PPO's clip cuts a
-token's gradient to 0 the moment ρ leaves [1 − ε, 1 + ε], the gate fades it smoothly as ρ moves away from 1, and
-never on one side only; τ_neg > τ_pos fades a token of negative advantage faster, as lowering one token's
-probability moves mass onto every other token of the vocabulary.
+token's gradient to 0 the moment ρ leaves [1 − ε, 1 + ε] on the side that would raise the objective, the gate fades
+it smoothly as ρ moves away from 1, on either side; τ_neg > τ_pos fades a token of negative advantage faster, as
+lowering one token's probability moves mass onto every other token of the vocabulary.
 
 Gradient coefficient: d f(ρ)/d log πθ = (4/τ) · τ σ(1 − σ) · ρ, so
 
