@@ -176,7 +176,8 @@ def copy_figure(args, made: Path, page_figure: str) -> None:
         shutil.copyfile(made, ROOT / "docs" / page_figure)
 
 
-VARIANTS = ["grpo_math", "drgrpo_math", "dapo_math", "gspo_math", "rloo_math", "reinforce_pp_math", "grpo_ps_math"]
+VARIANTS = ["grpo_math", "drgrpo_math", "dapo_math", "gspo_math", "rloo_math", "reinforce_pp_math", "grpo_ps_math",
+            "cispo_math", "sapo_math"]
 
 
 def variants(args) -> Measured:
