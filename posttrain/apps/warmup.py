@@ -127,7 +127,7 @@ def teacher(cfg: RunConfig) -> Path | None:
     """`model.teacher_path` where the method has a teacher, checked to be a model directory before any work (a warm-up
     included); None where it has none, or where the embedded default builds its own (`ensure_teacher`). A real
     policy (`model.path`) without a teacher is refused: there is no embedded teacher for its tokens."""
-    from posttrain.models.loading import check_files
+    from posttrain.models.loading import model_dir
 
     if not needs_teacher(cfg):
         return None
@@ -136,11 +136,7 @@ def teacher(cfg: RunConfig) -> Path | None:
             raise ConfigError("model.teacher_path: distillation learns from a teacher's log-probs; give a local "
                               "checkpoint whose tokenizer is the policy's (only the embedded default builds its own)")
         return None
-    path = Path(cfg.model.teacher_path)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.teacher_path: '{path}' is not a model directory (no config.json)")
-    check_files(path, "model.teacher_path")
-    return path
+    return model_dir(cfg.model.teacher_path, "model.teacher_path")
 
 
 def ensure_teacher(cfg: RunConfig, quiet: bool = False) -> tuple[Path, dict]:

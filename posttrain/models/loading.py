@@ -42,6 +42,16 @@ def _first_line(err: Exception) -> str:
     return (str(err).splitlines() or [type(err).__name__])[0]
 
 
+def model_dir(path: str | Path, key: str) -> Path:
+    """`path` as a model directory named by `key`, checked before any work (a config.json, and `check_files`), so that
+    a bad one is a one-line error naming the key rather than a load that fails later or in another process."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{key}: '{path}' is not a model directory (no config.json)")
+    check_files(path, key)
+    return path
+
+
 def check_files(path: Path, key: str) -> None:
     """Refuses a model directory whose JSON files do not parse as objects or whose safetensors weights (what
     transformers loads: model.safetensors, else the shards the index names) cannot be opened; only headers are read,

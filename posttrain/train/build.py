@@ -16,7 +16,7 @@ from posttrain import judge as judges
 from posttrain import rollout
 from posttrain.backends import Backend
 from posttrain.config import algorithm_of
-from posttrain.core.errors import ConfigError, UserError
+from posttrain.core.errors import ConfigError
 from posttrain.core.memory import RoleBytes
 from posttrain.core.schedules import lr_factor
 from posttrain.data import uses_chat
@@ -24,7 +24,7 @@ from posttrain.data.difficulty import AdaptiveGroups
 from posttrain.data.lengths import check_token_budget
 from posttrain.models import lora
 from posttrain.models.gated_mlp import lean_gated_mlps
-from posttrain.models.loading import check_files, check_same_vocab, load, load_tokenizer, stop_token_ids
+from posttrain.models.loading import check_same_vocab, load, load_tokenizer, model_dir, stop_token_ids
 from posttrain.rollout.shared import Lanes, SharedPool
 from posttrain.rollout.workers import START_S, WorkerPool, WorkerSpec
 from posttrain.schema import RunConfig, cache_root, weights_dtype
@@ -209,13 +209,7 @@ def reference_dir(cfg: RunConfig, model_path: Path) -> Path:
     """The reference model's directory for rollout.reference_on=workers: model.ref_path, checked here so that a bad
     one is a one-line error naming it rather than a worker that cannot start; else the starting policy (under LoRA,
     the base the adapter is added to, which is the policy with its adapter off)."""
-    if cfg.model.ref_path is None:
-        return model_path
-    path = Path(cfg.model.ref_path)
-    if not (path / "config.json").is_file():
-        raise UserError(f"model.ref_path: '{path}' is not a model directory (no config.json)")
-    check_files(path, "model.ref_path")
-    return path
+    return model_path if cfg.model.ref_path is None else model_dir(cfg.model.ref_path, "model.ref_path")
 
 
 def share_workers(cfg: RunConfig, backend: Backend, judge) -> Lanes:
