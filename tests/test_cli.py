@@ -36,7 +36,8 @@ def test_eval_requires_only_the_model_directory():
         assert_one_line_error(posttrain_here(*args), says, "(see posttrain --help)")
     shown = " ".join(posttrain_here("eval", "--help").stdout.split())
     assert "posttrain eval [-h] [-o OUTPUT] [--base DIR] [-q] MODEL_DIR [key=value ...]" in shown
-    assert "MODEL_DIR a model directory, or a LoRA run's model/ (an adapter, evaluated on its base)" in shown
+    assert ("MODEL_DIR a model directory, a GGUF file (pip install 'posttrain[gguf]'), or a LoRA run's model/ (an "
+            "adapter, evaluated on its base)") in shown
     assert "key=value optional overrides: recipe=NAME" in shown
 
 

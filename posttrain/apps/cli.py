@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from posttrain.core.errors import UserError
 from posttrain.core.heap import limit_malloc_arenas
@@ -89,6 +90,8 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
     """`posttrain run`: refuses a non-empty output_dir and bad data first, warms the embedded model up when no model
     is given (cached), then trains. Returns the summary on the main process, None on the others."""
     from posttrain.apps import warmup
+    from posttrain.models import gguf
+    from posttrain.schema import cache_root
     from posttrain.sources import run_splits
     from posttrain.train import run
     from posttrain.train.rundir import RunDir
@@ -105,6 +108,9 @@ def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
         model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
         if teacher_path is None and warmup.needs_teacher(cfg):  # the embedded teacher, built once and cached
             teacher_path, summary["teacher"] = warmup.ensure_teacher(cfg, quiet=quiet)
+    elif gguf.is_gguf(model_path):  # read once into a model directory in the cache (posttrain/models/gguf.py)
+        model_path = gguf.converted(model_path, "model.path", cache_root(cfg), quiet=quiet)
+        summary["gguf"] = {"file": str(Path(cfg.model.path).resolve()), "converted": str(model_path)}
     return run(cfg, resolved, model_path=model_path, splits=splits, summary=summary, quiet=quiet,
                teacher_path=teacher_path)
 
@@ -210,8 +216,8 @@ def parser() -> argparse.ArgumentParser:
                         "eval.k pass@k (unbiased, from eval.n ≥ k samples per problem) and maj@k (majority vote over "
                         "the final answers of k samples), on the recipe's held-out problems (grpo_math's embedded "
                         "task by default). Writes per-problem records to eval.json.", epilog=EPILOG)
-    ev.add_argument("model", metavar="MODEL_DIR", help="a model directory, or a LoRA run's model/ (an adapter, "
-                    "evaluated on its base)")
+    ev.add_argument("model", metavar="MODEL_DIR", help="a model directory, a GGUF file (pip install "
+                    "'posttrain[gguf]'), or a LoRA run's model/ (an adapter, evaluated on its base)")
     # default=[]: argparse counts a `*` positional without a default as required, and names it when MODEL_DIR is missing
     ev.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                     help="optional overrides: recipe=NAME (grpo_math), eval.k=8, data.test_path=…, …")

@@ -42,9 +42,11 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from posttrain import algorithms
 from posttrain.core.errors import ConfigError, UserError
+from posttrain.models import gguf
 
 GB = 1e9  # decimal gigabytes, as GPU vendors quote memory
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -140,16 +142,19 @@ def model_spec(name_or_dir: str) -> ModelSpec:
         return PRESETS[name_or_dir.lower()]
     path = os.path.join(name_or_dir, "config.json") if os.path.isdir(name_or_dir) else name_or_dir
     if not os.path.exists(path):
-        if os.path.isdir(name_or_dir) or os.sep in name_or_dir or name_or_dir.endswith(".json"):
+        if os.path.isdir(name_or_dir) or os.sep in name_or_dir or name_or_dir.endswith((".json", ".gguf")):
             raise UserError(f"model={name_or_dir}: no file {path}")
         raise UserError(f"model={name_or_dir}: not a directory and not a preset (presets: {', '.join(PRESETS)})")
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
-    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
-        raise UserError(f"{path}: not valid JSON ({e})") from None
+    if gguf.is_gguf(path):  # the architecture in a GGUF file's header, as transformers reads it
+        cfg = gguf.config_of(Path(path), f"model={name_or_dir}")
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise UserError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path}: expected a JSON object")
     cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the language model's numbers there
@@ -160,7 +165,7 @@ def model_spec(name_or_dir: str) -> ModelSpec:
             raise UserError(f"{path}: field '{key}' is missing or not a positive integer")
     attn_bias = bool(cfg.get("attention_bias", False))
     return ModelSpec(
-        name=os.path.basename(os.path.dirname(os.path.abspath(path))),
+        name=Path(path).stem if gguf.is_gguf(path) else os.path.basename(os.path.dirname(os.path.abspath(path))),
         hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=cfg["num_attention_heads"],
         kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],  # absent means no GQA, as in HF
         intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],

@@ -23,9 +23,9 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     from posttrain import config, judge, rollout
     from posttrain.backends.ddp import DDP
     from posttrain.data import prompt_texts, uses_chat
-    from posttrain.models import lora
+    from posttrain.models import gguf, lora
     from posttrain.models.loading import is_adapter, load, stop_token_ids
-    from posttrain.schema import weights_dtype
+    from posttrain.schema import cache_root, weights_dtype
     from posttrain.sources import run_splits
     from posttrain.sources.episodes import episodes_for
     from posttrain.train.evaluation import evaluate
@@ -44,8 +44,13 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     if base is not None and adapter is None:
         raise UserError(f"--base: '{model}' is a whole model, not a LoRA adapter; --base names an adapter's base")
     weights = lora.adapter_base(adapter, base) if adapter is not None else Path(model)  # what the config loads
-    cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE,
-                         [i for i in items if not i.startswith("recipe=")] + [f"model.path={weights}"])
+    overrides = [i for i in items if not i.startswith("recipe=")]
+    cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE, overrides + [f"model.path={weights}"])
+    given = {"model": str(Path(model).resolve())}
+    if gguf.is_gguf(model):  # read once into a model directory in the cache (posttrain/models/gguf.py)
+        model = weights = gguf.converted(model, "MODEL_DIR", cache_root(cfg), quiet=quiet)
+        given["converted"] = str(weights)
+        cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE, overrides + [f"model.path={weights}"])
     e, sampling = cfg.eval, cfg.rollout
     if e.num_problems == 0:
         raise UserError("eval.num_problems: 0 leaves nothing to evaluate")
@@ -74,7 +79,7 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
                           k=e.k, n=e.n, temperature=sampling.temperature, top_p=sampling.top_p, records=True,
                           progress=lambda done: bar.update({"step": done}))
     merged = {"adapter_base": str(weights.resolve())} if adapter is not None else {}  # the base the adapter ran on
-    report = {"model": str(Path(model).resolve()), **merged, "rollout_engine": engine.name, "env": cfg.env.name,
+    report = {**given, **merged, "rollout_engine": engine.name, "env": cfg.env.name,
               "chat_template": uses_chat(tokenizer, cfg.data), "answer_format": cfg.data.answer_format,
               "prompt_example": prompt_texts(rows[:1], cfg.data, tokenizer)[0],
               "temperature": sampling.temperature, "top_p": sampling.top_p, "greedy": result.pop("accuracy"), **result}
