@@ -7,6 +7,20 @@ E[(1/|o|) Σ_t GC(q, o, t) ∇θ log πθ(o_t | q, o_<t)]; methods differ in dat
 import os as _os
 
 __version__ = "0.1.0"
+__all__ = ["Run", "UserError", "run"]
+
+_LAZY = {"Run": "posttrain.apps.api", "run": "posttrain.apps.api", "UserError": "posttrain.core.errors"}
+
+
+def __getattr__(name: str):
+    """`posttrain.Run`, `posttrain.run` (docs/python.md) and `posttrain.UserError`, imported on first use: `import
+    posttrain` stays cheap, and the command line (which imports this package first) does not pay for torch before it
+    needs it."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
 
 # A checkout keeps algorithms/, rewards/, environments/ and recipes/ beside posttrain/; an install maps them inside it
 # as posttrain.algorithms, posttrain.rewards, posttrain.environments and posttrain.recipes (pyproject.toml). When

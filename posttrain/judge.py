@@ -26,10 +26,15 @@ takes it from there (GRPO's z-scores it again within the group).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from numbers import Real
+
 import torch
 
 from posttrain import rewards
 from posttrain.algorithms.common import group_stats
+from posttrain.core.errors import ConfigError, UserError
 from posttrain.data import prompt_texts
 from posttrain.rewards import custom
 from posttrain.rewards.accuracy import final_answers, verdicts
@@ -61,16 +66,27 @@ class Judge:
         reward_model_weight: its weight in the total.
         tokenizer: the policy's; with a chat template, rewards see the prompt as the template rendered it.
         process_model: a callable (prompts, completions) -> [(char_end, score)] per step, for rewards.process=model.
+        functions: Python reward functions given from Python (posttrain.Run's `rewards`), by name -> (function,
+            weight): each called in this process on a whole batch as TRL calls its reward functions,
+            `function(completions, prompts=..., **row_fields)`, a list per keyword, one float or None per completion
+            back (`call_function`).
     """
 
     def __init__(self, data: DataConfig, rules: RewardsConfig, reward_model=None,
-                 reward_model_weight: float = 1.0, tokenizer=None, process_model=None):
+                 reward_model_weight: float = 1.0, tokenizer=None, process_model=None,
+                 functions: dict[str, tuple[Callable, float]] | None = None):
         self.data, self.reward_model, self.reward_model_weight = data, reward_model, reward_model_weight
         self.tokenizer, self.process, self.process_model = tokenizer, rules.process, process_model
         self.rules = rewards.combine(rules, answer_format=data.answer_format)
         self.normalize = rules.normalize
         self.weights = {**rules.weights, **{custom.load(entry).label: w for entry, w in rules.custom.items()},
                         "model": reward_model_weight}  # objective -> weight, by its name in `parts`
+        self.functions = dict(functions or {})
+        for name, (_, weight) in self.functions.items():
+            if name in self.weights:
+                raise ConfigError(f"rewards: a Python reward function is named {name!r}, as a reward of the config "
+                                  "is; give it another name")
+            self.weights[name] = weight
 
     def answers(self, rows: list[dict]) -> list[str]:
         return [str(r[self.data.answer_field]) for r in rows]
@@ -88,6 +104,12 @@ class Judge:
         the mean of the total returned."""
         prompts = prompt_texts(rows, self.data, self.tokenizer)
         total, parts, counts = self.rules(completions, self.answers(rows), prompts)
+        for name, (function, weight) in self.functions.items():
+            raw = call_function(name, function, completions, prompts, rows)
+            counts["verify_errors"] += sum(s is None for s in raw)
+            counts["nonfinite"] += sum(s is not None and not math.isfinite(s) for s in raw)
+            parts[name] = [s if s is not None and math.isfinite(s) else None for s in raw]
+            total = [t + weight * (s or 0.0) for t, s in zip(total, parts[name])]
         parts = {name: [s or 0.0 for s in scores] for name, scores in parts.items()}
         if self.reward_model is not None:
             parts["model"] = self.reward_model(prompts, completions)
@@ -130,8 +152,33 @@ class Judge:
         return final_answers(completions, self.data.answer_format)
 
 
+def call_function(name: str, function: Callable, completions: list[str], prompts: list[str],
+                  rows: list[dict]) -> list[float | None]:
+    """A Python reward function's scores for `completions`, called as TRL calls one: the completions, then keywords
+    `prompts` (the prompt texts, as rendered) and each field of the rows, a list each (GSM8K's `question` and
+    `answer`, say), so that `def reward(completions, answer, **kwargs)` reads the reference. One number or None (could
+    not score: 0, counted in reward/verify_errors; nan or inf count 0 in reward/nonfinite) per completion; anything
+    else is a one-line error naming it. What
+    the function raises reaches the caller as raised: it is the caller's own code, in the caller's process."""
+    fields = {k: [row.get(k) for row in rows] for k in dict.fromkeys(k for row in rows for k in row)}
+    fields.pop("completions", None)
+    scores = function(list(completions), **{**fields, "prompts": list(prompts)})
+    try:
+        scores = list(scores)
+    except TypeError:
+        raise UserError(f"rewards: the function {name!r} returned {type(scores).__name__}, not a list of scores") \
+            from None
+    if len(scores) != len(completions):
+        raise UserError(f"rewards: the function {name!r} returned {len(scores)} scores for {len(completions)} "
+                        "completions")
+    for s in scores:
+        if s is not None and (isinstance(s, bool) or not isinstance(s, Real)):
+            raise UserError(f"rewards: the function {name!r} returned {s!r} among its scores; give a number or None")
+    return [None if s is None else float(s) for s in scores]
+
+
 def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokenizer=None,
-          with_process_model: bool = False, precision: str = "fp32") -> Judge:
+          with_process_model: bool = False, precision: str = "fp32", functions: dict | None = None) -> Judge:
     """The run's judge; the reward model (`reward_model.path`) is loaded only when the method trains on rewards, the
     process reward model (`reward_model.process_path`, with rewards.process=model) only when it trains on step
     rewards, each placed by `place` (the backend's, which shards it where weights are sharded) when given, in the
@@ -146,4 +193,4 @@ def build(cfg: RunConfig, device, *, with_reward_model: bool, place=None, tokeni
         from posttrain.rewards.process_model import ProcessRewardModel
 
         process_model = ProcessRewardModel(cfg.reward_model.process_path, device, dtype=dtype, place=place)
-    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight, tokenizer, process_model)
+    return Judge(cfg.data, cfg.rewards, model, cfg.reward_model.weight, tokenizer, process_model, functions)

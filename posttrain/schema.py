@@ -130,6 +130,9 @@ PRESETS = {
 }
 ANSWER_FORMATS = ("number", "math", "reasoning_gym")
 GYM = "reasoning_gym:"  # data.preset=reasoning_gym:TASK
+# What data.path and data.test_path say when their rows were given from Python (posttrain.Run's data= and test_data=):
+# config.yaml records where the rows came from, and nothing is written to disk for them
+PYTHON_ROWS = {"data.path": "python:data", "data.test_path": "python:test_data"}
 CURRICULA = ("none", "field", "pass_rate")
 TASKS = ("arithmetic", "calc")  # the embedded tasks (posttrain/data/embedded.py)
 

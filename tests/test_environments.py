@@ -571,15 +571,14 @@ def test_grpo_ps_trains_on_turns_as_steps(tmp_path):
     and the answer), rewarded by the environment's replies and the outcome, which they sum to."""
     import json
 
-    from posttrain import config
-    from posttrain.apps.cli import train  # `posttrain run`'s own: the warm-up, then the run
+    from posttrain import Run  # `posttrain run`'s own: the warm-up, then the run
 
     args = ["warmup.steps=60", "train.steps=2", "train.batch_size=2", "algorithm.group_size=4", "eval.num_problems=0",
             "data.train_size=50", "data.test_size=10", "train.threads=1", "algorithm.name=grpo_ps",
             "rewards.process=turns", f"output_dir={tmp_path / 'out'}"]  # test_async's warm-up: cached once
-    cfg, resolved = config.load("grpo_tools", args)
-    assert type(cfg.algorithm).__name__ == "GRPOPSConfig"
-    train(cfg, resolved, quiet=True)
+    run = Run("grpo_tools", args, quiet=True)
+    assert type(run.cfg.algorithm).__name__ == "GRPOPSConfig"
+    run.train()
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and any(m["env/turns"] > 1 for m in metrics)  # the tool was called
     for m in metrics:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
+from posttrain.apps.api import prepare_process
 from posttrain.core.errors import UserError
-from posttrain.core.heap import limit_malloc_arenas
 
 EPILOG = """overrides are OmegaConf dotlists, e.g. algorithm.beta=0.02 train.steps=50 rollout.temperature=0.7;
 `posttrain config recipe=NAME` shows every key with its value. Exit status: 0 done, 2 bad input, 1 internal error."""
@@ -86,52 +85,13 @@ def cmd_explain(args) -> int:
     return explain.main(recipe, overrides, as_json=args.json)
 
 
-def train(cfg, resolved: dict, quiet: bool = False) -> dict | None:
-    """`posttrain run`: refuses a non-empty output_dir and bad data first, warms the embedded model up when no model
-    is given (cached), then trains. Returns the summary on the main process, None on the others."""
-    from posttrain.apps import warmup
-    from posttrain.models import gguf
-    from posttrain.schema import cache_root
-    from posttrain.sources import run_splits
-    from posttrain.train import run
-    from posttrain.train.rundir import RunDir
-
-    RunDir(cfg.output_dir, cfg.overwrite, cfg.resume)
-    splits, summary = run_splits(cfg), {}
-    if cfg.env.name is not None:  # an environment that cannot start (the Python tool without its jail, say) is
-        from posttrain import environments  # one line now, not after the warm-up
-
-        environments.check(environments.get(cfg.env.name), cfg.env)
-    teacher_path = warmup.teacher(cfg)  # model.teacher_path, checked; None where the method has no teacher
-    model_path = cfg.model.path
-    if model_path is None:
-        model_path, summary["warmup"] = warmup.ensure(cfg, quiet=quiet)
-        if teacher_path is None and warmup.needs_teacher(cfg):  # the embedded teacher, built once and cached
-            teacher_path, summary["teacher"] = warmup.ensure_teacher(cfg, quiet=quiet)
-    elif gguf.is_gguf(model_path):  # read once into a model directory in the cache (posttrain/models/gguf.py)
-        model_path = gguf.converted(model_path, "model.path", cache_root(cfg), quiet=quiet)
-        summary["gguf"] = {"file": str(Path(cfg.model.path).resolve()), "converted": str(model_path)}
-    return run(cfg, resolved, model_path=model_path, splits=splits, summary=summary, quiet=quiet,
-               teacher_path=teacher_path)
-
-
 def cmd_run(args) -> int:
     recipe, overrides = _split_recipe(args.overrides)
-    from posttrain import config
+    from posttrain.apps import api  # the library's run: the CLI is this one call
 
-    cfg, resolved = config.load(recipe, overrides)
-    summary = train(cfg, resolved, quiet=args.quiet)
-    if summary is None:  # not the main process: it prints nothing
-        return 0
-    if "eval_before" in summary and "eval_after" in summary:
-        print(f"held-out accuracy: {summary['eval_before']['accuracy']:.3f} -> {summary['eval_after']['accuracy']:.3f}"
-              f" ({summary['eval_before']['num_problems']} problems, greedy)")
-        before, after = summary["eval_before"], summary["eval_after"]
-        if "k" in after and after["k"] == before.get("k"):
-            k = after["k"]
-            print(f"held-out pass@{k}: {before[f'pass@{k}']:.3f} -> {after[f'pass@{k}']:.3f}, maj@{k}: "
-                  f"{before[f'maj@{k}']:.3f} -> {after[f'maj@{k}']:.3f} ({after['n']} samples per problem)")
-    print(f"done in {summary['wall_seconds']:.1f}s; results in {summary['output_dir']}")
+    summary = api.Run(recipe, overrides, quiet=args.quiet).train()
+    if summary is not None:  # None: not the main process, which prints nothing
+        api.print_report(summary)
     return 0
 
 
@@ -290,17 +250,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if rest:
         getattr(args, listed).extend(rest)
     return args
-
-
-def prepare_process() -> None:
-    """What a posttrain process sets before it imports torch or transformers (the CLI's first step)."""
-    limit_malloc_arenas()  # before torch starts a thread
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything posttrain loads is local
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # transformers stays quiet (no progress bars, errors only) through its environment, read when it is first
-    # imported: importing it here would cost every command a second, `posttrain recipes` and bad input too.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def main(argv: list[str] | None = None) -> int:

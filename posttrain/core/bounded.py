@@ -18,8 +18,9 @@ The contract of `BoundedPool.map(fn, items, timeout_s)`:
 4. Items run in parallel, one at a time per worker. Workers start on first use and persist across calls, so what
    `fn`'s module caches (a parsed reference, say) serves later calls, until the worker is killed.
 5. Workers start with "forkserver": a plain fork of a process that holds torch's threads can deadlock, while the
-   fork server is a fresh single-threaded process. As with any forkserver or spawn pool, workers import the
-   parent's `__main__` module, so a script that calls `map` needs the `if __name__ == "__main__":` guard. Workers
+   fork server is a fresh single-threaded process. Unlike a plain forkserver or spawn pool, they do not import the
+   parent's `__main__` (`posttrain.core.launch.main_unimported`), so a script that calls posttrain needs no
+   `if __name__ == "__main__":` guard; `fn` must then live in an importable module (rule 1). Workers
    ignore SIGINT (Ctrl-C is the parent's to handle) and stop when the parent's end of their pipe closes.
 6. One `map` runs at a time (a lock); `close()` stops the workers, and a later `map` starts new ones. Every pool is
    closed at interpreter exit.
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from posttrain.core.launch import main_unimported
 from posttrain.core.threads import usable_cores
 
 LOAD_TIMEOUT_S = 60.0  # seconds a new worker may take to start and import `fn`'s module before `map` gives up
@@ -112,7 +114,8 @@ class _Worker:
     def __init__(self, context) -> None:
         self.conn, theirs = context.Pipe()
         self.process = context.Process(target=_serve, args=(theirs,), name="bounded-worker")
-        self.process.start()
+        with main_unimported():  # the worker runs fn, by reference: the caller's script stays unimported there
+            self.process.start()
         theirs.close()
         self.fn = None  # the function it holds, or is loading
         self.index: int | None = None  # the item it is running; None while idle or loading

@@ -6,7 +6,9 @@ inherits those variables, and would take itself for one more training process: `
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 from posttrain.core.errors import ConfigError
 
@@ -51,3 +53,22 @@ def worker_gpus(workers: int, gpus: int, devices: int, trainers: int) -> tuple[t
                           f"{trainers + need} GPUs; this machine has {devices}")
     first = devices - need
     return tuple(tuple(range(first + i * gpus, first + (i + 1) * gpus)) for i in range(workers))
+
+
+@contextlib.contextmanager
+def main_unimported():
+    """Within it, a process started by spawn or forkserver (and the fork server itself) does not import this process's
+    `__main__`: posttrain's worker processes run posttrain's own code, so a script that starts a run from Python needs
+    no `if __name__ == "__main__":` guard, and a script read from stdin (which a child cannot import) works too.
+    multiprocessing reads the main module's `__spec__` and `__file__` as the child starts; both are hidden meanwhile."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    if main is not None:
+        main.__dict__.pop("__file__", None)
+        main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)

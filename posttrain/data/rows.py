@@ -16,7 +16,7 @@ from typing import Any
 
 from posttrain.core.errors import ConfigError, DataError
 from posttrain.data import embedded, gym
-from posttrain.schema import PRESETS, DataConfig
+from posttrain.schema import PRESETS, PYTHON_ROWS, DataConfig
 
 
 def read_rows(source: Any, key: str = "data.path", split: str = "train") -> list[dict]:
@@ -124,7 +124,7 @@ def _kind(value: Any) -> str:
 
 def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
                 reference: Callable[[str], str | None] | None = None,
-                judged: bool = False) -> tuple[list[dict], list[dict]]:
+                judged: bool = False, given: Mapping[str, Any] | None = None) -> tuple[list[dict], list[dict]]:
     """Training and held-out rows: the embedded task, or `path` (and `test_path`) with every row checked.
 
     Training rows need `fields`; held-out rows the question and the reference answer. `reference` says what keeps an
@@ -132,7 +132,9 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     of every training row's when `judged` (the method judges its training rows' answers too), so a row the run could
     not score is refused before training, naming its file, row and field. With only `test_path` (enough for
     `posttrain eval`) there are no training rows. Without `test_path`, the held-out rows are `path`'s own test split
-    when it is a `datasets` directory of splits that has one, else its last `num_test` rows.
+    when it is a `datasets` directory of splits that has one, else its last `num_test` rows. `given` holds rows
+    given from Python (a list of dicts or a `datasets.Dataset`) for `data.path` and `data.test_path`, which then
+    name them as `schema.PYTHON_ROWS` does; they are checked as a file's rows are.
 
     Raises:
         DataError: a row lacks a field or an answer the judge can read, or a held-out question to be evaluated (of
@@ -149,7 +151,12 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
                             "online method")
         return train, test
     answer = {cfg.answer_field: reference} if reference is not None else {}
-    train = read_rows(cfg.path, "data.path") if cfg.path is not None else []
+    given = given or {}
+    for key, value in (("data.path", cfg.path), ("data.test_path", cfg.test_path)):
+        if value == PYTHON_ROWS[key] and key not in given:
+            raise DataError(f"{key}: {value} names rows given from Python (posttrain.Run's data=/test_data=), and "
+                            "none were given")
+    train = read_rows(given.get("data.path", cfg.path), "data.path") if cfg.path is not None else []
     held_out = held_out_split(cfg.path) if cfg.test_path is None and cfg.path is not None else None
     if cfg.test_path is None and held_out is None:  # hold out the tail, so evaluation never sees a training row
         if len(train) <= num_test:
@@ -164,7 +171,7 @@ def load_splits(cfg: DataConfig, fields: list[str], num_test: int,
     if cfg.path is not None:
         check_fields(train, fields, "data.path", cfg.path, answer if judged else None)
     if cfg.test_path is not None:
-        test = read_rows(cfg.test_path, "data.test_path", split="test")
+        test = read_rows(given.get("data.test_path", cfg.test_path), "data.test_path", split="test")
         check_fields(test, [cfg.prompt_field, cfg.answer_field], "data.test_path", cfg.test_path, answer)
         where = ("data.test_path", f"'{cfg.test_path}'", f"data.path ('{cfg.path}')")
     elif held_out is not None:  # a DatasetDict's own test split, as data.test_path=DIR would read it

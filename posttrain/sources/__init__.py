@@ -30,14 +30,14 @@ from posttrain.sources.base import SOURCES, Deps, Source
 __all__ = ["SOURCES", "Deps", "Source", "run_splits"]
 
 
-def run_splits(cfg: RunConfig) -> tuple[list[dict], list[dict]]:
+def run_splits(cfg: RunConfig, given: dict | None = None) -> tuple[list[dict], list[dict]]:
     """A run's training and held-out rows, every row checked before any work: the fields its method's source reads,
     and each reference answer the judge will check (every held-out row's; the training rows' when the source judges
     them) against the accuracy rule's own reading of it (`reference_problem`), so the run never meets one it cannot
-    score."""
+    score. `given`: rows given from Python for data.path and data.test_path (`load_splits`)."""
     source = SOURCES.find(algorithm_of(cfg).source)
     reference = functools.partial(reference_problem, answer_format=cfg.data.answer_format)
     fields = source.row_fields(cfg.data)
     if cfg.model.path is None and cfg.data.gym_task is not None:  # the embedded model warms up on these rows' answers
         fields = [*fields, cfg.data.response_field]
-    return load_splits(cfg.data, fields, cfg.eval.num_problems, reference, judged=source.judges_rows(cfg))
+    return load_splits(cfg.data, fields, cfg.eval.num_problems, reference, judged=source.judges_rows(cfg), given=given)

@@ -38,7 +38,7 @@ from posttrain.train.producer import Producer
 
 
 def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tuple[list[dict], list[dict]],
-          plan: RunPlan | None = None, teacher_path: str | Path | None = None) -> Engine:
+          plan: RunPlan | None = None, teacher_path: str | Path | None = None, rewards: dict | None = None) -> Engine:
     """The run's engine with all its parts, as `plan` says.
 
     Args:
@@ -50,6 +50,7 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
             `cfg` on this machine.
         teacher_path: the distillation teacher's directory where the plan has a teacher: model.teacher_path, or the
             embedded teacher's (posttrain.apps.warmup.ensure_teacher).
+        rewards: Python reward functions by name -> (function, weight), beside the config's (`Judge`'s `functions`).
     """
     plan = plan or make_plan(cfg, Machine.here(cfg))
     model_path = Path(model_path)
@@ -71,7 +72,8 @@ def build(cfg: RunConfig, model_path: str | Path, backend: Backend, splits: tupl
         # rollout.max_new_tokens (the prompts' lengths need the tokenizer, hence here)
         check_token_budget(tokenizer, train_rows, cfg, given=plugin.source == "offline")
     judge = judges.build(cfg, backend.device, with_reward_model="reward" in needs, place=backend.freeze,
-                         tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision)
+                         tokenizer=tokenizer, with_process_model="step_reward" in needs, precision=precision,
+                         functions=rewards)
 
     # The reference, where the plan puts it: its own frozen model on the trainer, the policy with its LoRA adapter
     # off, or the rollout workers' (which score each batch they make).

@@ -44,12 +44,13 @@ class Figures(ProgressColumn):
 
 
 class Progress:
-    """A live bar on a terminal; a plain line every tenth of the run otherwise (logs, CI)."""
+    """A live bar on a terminal, and in a Jupyter notebook where ipywidgets is installed (rich draws it there); a
+    plain line every tenth of the run otherwise (logs, CI)."""
 
     def __init__(self, total: int, enabled: bool = True, unit: str = "step"):
         self.total, self.enabled, self.unit = total, enabled, unit
         self.console = Console(stderr=True)
-        self.live = enabled and self.console.is_terminal
+        self.live = enabled and (self.console.is_terminal or self.console.is_jupyter and has_widgets())
         whole = Column(no_wrap=True)  # never cut (rich narrows every wrappable column of a line that is too long)
         room = self.console.width - FIGURES_WIDTH  # a bar only where the figures leave it room
         bar = [BarColumn(min(room, BAR_WIDTH), table_column=whole)] if room >= 10 else []
@@ -76,6 +77,13 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self.live:
             self.bar.stop()
+
+
+def has_widgets() -> bool:
+    """Whether ipywidgets, which rich's live display in a notebook needs, is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
 
 
 def tensorboard_tracker(run_dir: Path, name: str, start: int):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from posttrain.core.batch import Batch, concat
 from posttrain.core.errors import TrainingError
 from posttrain.core.faults import crash_point
+from posttrain.core.launch import main_unimported
 from posttrain.rollout.base import Workers, counts, get
 from posttrain.rollout.workers.process import op_timeout, serve, unpack, weights_group
 from posttrain.rollout.workers.spec import POLL_S, START_S, WorkerSpec, bounded, one_line, prefix, scoring_rows
@@ -149,7 +150,7 @@ class LocalLauncher:
         # stopping it with a traceback. This process still takes the interrupt, in another thread or once unblocked.
         masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            with self._environ, visible_devices(self.gpus[index] if self.gpus else None):
+            with self._environ, visible_devices(self.gpus[index] if self.gpus else None), main_unimported():
                 process.start()
             worker = LocalWorker(index, incarnation, process, requests, inbox, replies)
             if started is not None:
