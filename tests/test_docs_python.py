@@ -27,7 +27,13 @@ def test_the_pages_examples_run_as_printed(tmp_path):
     steps = [line for line in out if re.fullmatch(r"\d+ -?[\d.]+ -?[\d.e-]+", line)]
     assert [int(line.split()[0]) for line in steps] == list(range(1, 11))
     assert any(line.startswith("halfway: ") for line in out)
-    for run in ("python_grpo", "python_steps", "python_brevity", "python_rows"):
+    loop = [line for line in out if re.fullmatch(r"\d+ -?[\d.]+ -?[\d.e-]+ [\d.]+", line)]
+    assert [int(line.split()[0]) for line in loop] == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "runs" / "python_loop" / "summary.json").read_text())["steps"] == 5
+    assert (tmp_path / "runs" / "python_loop_state" / "manifest.json").is_file()
+    own = [line.split() for line in out if line.startswith("own loss ")]
+    assert [int(words[2]) for words in own] == [0, 1, 2] and all(float(words[4]) > 0 for words in own)
+    for run in ("python_grpo", "python_steps", "python_brevity", "python_rows"):  # the loops' runs never finish
         summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
         assert summary["steps"] == 10, run
     brevity = [json.loads(line) for line in (tmp_path / "runs" / "python_brevity" / "metrics.jsonl").open()]

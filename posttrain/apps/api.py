@@ -125,6 +125,9 @@ class Run:
         self.training = None  # posttrain.train.loop.Training, from `start`
         self.metrics: list[dict] = []  # every step's metrics, as metrics.jsonl holds them
         self.summary: dict | None = None  # summary.json's content, once finished
+        # the primitives' state: whether they drive the run, the batch last prepared, the gradients not yet applied,
+        # and whether the rollout engine has handed its memory back for the update
+        self._driven, self._prepared, self._pending, self._released, self._stats = False, None, [], False, {}
 
     def start(self) -> Run:
         """Sets the run up, as `posttrain run` does before its first step: the output directory refused if it holds a
@@ -166,6 +169,9 @@ class Run:
 
     def step(self) -> dict:
         """Trains one step (logged, evaluated and checkpointed as the config says) and returns its metrics."""
+        if self._driven:
+            raise ConfigError("step: this run is driven by sample, forward_backward and optim_step; go on with them "
+                              "(save writes the model), or start another Run")
         metrics = self.start().training.step()
         self.metrics.append(metrics)
         return metrics
@@ -178,9 +184,14 @@ class Run:
     def finish(self) -> dict | None:
         """Ends the run: the steps left, the evaluation after, model/, summary.json, the output directory moved into
         place; then its processes and files released. Returns the summary (None on a training process that is not
-        the first, under torchrun)."""
+        the first, under torchrun). A run driven by the primitives ends with the steps its loop took (metrics.jsonl
+        holds none of them: their metrics are what the primitives returned)."""
         if self.summary is not None:
             return self.summary
+        if self._driven:  # the loop's steps are the run's: none is added, the rest ends it as a run ends
+            if self._pending:
+                raise ConfigError("finish: gradients are pending; call optim_step first")
+            self.training.step_done, self.training.stopped = self.training.engine.steps_done, True
         for _ in self.steps():
             pass
         try:
@@ -224,6 +235,139 @@ class Run:
         except ImportError:
             return list(self.metrics)
         return pandas.DataFrame(self.metrics)
+
+    # -- primitives: a loop of your own -------------------------------------------------------------------------------
+    # What Tinker's training and sampling clients offer, on the run's own engine: the loop that `step` runs, in parts.
+    # Each `sample` begins a step (the policy version it samples with is the steps before it); `optim_step` ends it.
+
+    def sample(self):
+        """The next batch of the run's data source, as `step` draws it: for an online method, train.batch_size prompts
+        drawn as the recipe draws them and algorithm.group_size completions of each from the current policy (a
+        `posttrain.core.batch.Batch`: `input_ids`, `response_ids`, `mask`, `reward` [B], `group` [B], `version` [B],
+        and `rollout_logp` where the rollout engine reports the sampler's log-probs); for an offline one, its rows.
+        `texts(batch)` decodes the completions."""
+        engine = self._loop()
+        batch, self._stats = engine.sample()
+        return batch
+
+    def score(self, batch):
+        """`batch` with what the run's method scores besides the policy (Tinker's forward, for the frozen models):
+        `ref_logp` (the reference's per-token log-probs, at the sampling temperature), `teacher_logp`, `old_logp`
+        (the policy's before this step's update) and the critic's values, each where the method needs it."""
+        engine = self._loop()
+        with engine.backend.autocast():
+            return engine.scored(batch)
+
+    def texts(self, batch) -> list[str]:
+        """The completions of `batch` as text (special tokens dropped)."""
+        from posttrain.data import completion_texts
+
+        return completion_texts(self._open().engine.tokenizer, batch)
+
+    def forward_backward(self, batch, loss: str | Callable | None = None, **method_config) -> dict[str, float]:
+        """Adds the gradient of a loss on `batch` to the policy's (none is applied until `optim_step`). Returns the
+        loss and the method's metrics, averaged over processes.
+
+        Args:
+            batch: from `sample`.
+            loss: None or the run's method's name: the run's own GC (its plugin, as the recipe configures it, the
+                batch scored and prepared as `step` does: reference and old log-probs, advantages); another registered
+                method's name (`posttrain recipes`, algorithm.name): its GC, with its default config updated by
+                `method_config`, where it reads what the run scores and its data source is the run's; or a function
+                `loss(batch, logp)` of the policy's per-token log-probs `logp` [b, R] (differentiable), returning a
+                per-token loss [b, R] (or that and a dict of metrics), aggregated as train.loss_agg says and
+                back-propagated through the policy, micro-batch by micro-batch (a micro-batch is a `Batch` too).
+        """
+        import torch
+
+        from posttrain import algorithms, config
+
+        engine = self._loop()
+        if not self._released:  # the rollout engine's memory, handed back by optim_step
+            engine.rollout.release()
+            self._released = True
+        if callable(loss):
+            metrics = engine.accumulate(batch, engine.totals(batch), loss_fn=loss)
+        else:
+            plugin = engine.plugin if loss in (None, engine.plugin.name) else algorithms.REGISTRY.find(loss, key="loss")
+            algorithm = engine.algorithm if plugin is engine.plugin else \
+                config.build(plugin.Config, dict(method_config), "loss")
+            gives = engine.needs | {"old_logp"}  # the policy itself, scored before the update, the run can always give
+            if plugin.source != engine.plugin.source or not plugin.needs(algorithm) <= gives:
+                raise ConfigError(f"loss: {plugin.name} needs {', '.join(sorted(plugin.needs(algorithm))) or 'nothing'}"
+                                  f" of batches from the {plugin.source} source; this run's {engine.plugin.name} gives "
+                                  f"{', '.join(sorted(gives))} of batches from the {engine.plugin.source} source")
+            with engine.method(plugin, algorithm):
+                if self._prepared is None or self._prepared[0] is not batch:  # scored and prepared once a batch
+                    self._prepared = (batch, *engine.prepared(batch))
+                _, prepared, prep = self._prepared
+                metrics = {**prep, **engine.accumulate(prepared, engine.totals(prepared))}
+        metrics.pop("micro_batches")
+        self._pending.append(metrics)
+        return {k: float(engine.backend.reduce(torch.as_tensor(v, device=engine.backend.device).float(), "mean"))
+                for k, v in sorted(metrics.items())}
+
+    def optim_step(self) -> dict[str, float]:
+        """Applies the gradients of the `forward_backward` calls since the last step: clipped to train.max_grad_norm,
+        AdamW at the learning rate train.lr_schedule gives this step (a non-finite loss or norm skips it, as in a run),
+        then the rollout engine gets the new weights. Returns the gradient norm, the learning rate used and whether
+        the update was skipped."""
+        import torch
+
+        engine = self._loop()
+        if not self._pending:
+            raise ConfigError("optim_step: no gradient to apply; call forward_backward first")
+        lr = engine.policy.scheduler.get_last_lr()[0]
+        loss = sum(m["loss"] for m in self._pending)
+        metrics = engine.apply({"loss": loss})
+        self._pending, self._prepared = [], None
+        engine.skipped_in_a_row = engine.skipped_in_a_row + 1 if engine.skipped else 0
+        engine.skipped_steps += bool(engine.skipped)
+        engine.rollout.restore()
+        self._released = False
+        engine.sync_rollout()
+        out = {"lr": lr, "skipped": float(engine.skipped)}
+        out.update({k: float(torch.as_tensor(v)) for k, v in metrics.items() if k != "loss"})
+        return out
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """The policy as it is now, as an ordinary Hugging Face directory at `path` (under LoRA, its adapter), the
+        tokenizer with it: what a run's model/ holds."""
+        from posttrain.train.checkpoint import save_model
+
+        save_model(self._open().engine, Path(path))
+        return Path(path)
+
+    def save_state(self, path: str | os.PathLike) -> Path:
+        """Everything the loop needs to go on exactly from here, at `path`: the model, the trained parameters as
+        trained, AdamW and the schedule, the steps done, the random generators and the data source's position (the
+        run's own checkpoint format, docs/resume.md). `load_state` in a run of the same config puts it back."""
+        from posttrain.train import checkpoint as checkpoints
+
+        engine, path = self._open().engine, Path(path)
+        if self._pending:
+            raise ConfigError("save_state: gradients are pending; call optim_step first")
+        state = {"wall_seconds": 0.0, "model_path": str(Path(self.training.model_path).resolve()),
+                 "evaluations": {}, "skipped": [engine.skipped_steps, engine.skipped_in_a_row],
+                 "config": self.resolved}
+        return checkpoints.Checkpoints(path.parent, every=0).write(engine, engine.steps_done, state, at=path)
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Puts back what `save_state` wrote at `path` (a checkpoints/step_N directory of a run works too), once it is
+        known to continue this run exactly: the same start model, config and process count."""
+        from posttrain.train import checkpoint as checkpoints
+
+        engine, path = self._loop(), Path(path)
+        found, _ = checkpoints.find(str(path), path)
+        state = checkpoints.check(found, self.training.model_path, self.resolved, engine.backend.world_size)
+        engine.resume_at(state["step"], tuple(state["skipped"]))
+        checkpoints.restore(found, engine)
+
+    def _loop(self):
+        """The engine, for the primitives; marks the run as driven by them (its steps are the loop's own)."""
+        training = self._open()
+        self._driven = True
+        return training.engine
 
     def _open(self):
         if self.training is None:

@@ -79,10 +79,11 @@ class Checkpoints:
     def path(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}"
 
-    def write(self, engine, step: int, run_state: dict) -> Path:
-        """checkpoints/step_`step`, whole or not at all; `run_state` is what the loop needs back (JSON)."""
-        backend, parent = engine.backend, self.root / "checkpoints"
-        tmp, final = parent / f".step_{step}.tmp", self.path(step)
+    def write(self, engine, step: int, run_state: dict, at: Path | None = None) -> Path:
+        """checkpoints/step_`step` (or the directory `at`), whole or not at all; `run_state` is what the loop needs
+        back (JSON)."""
+        backend, final = engine.backend, at or self.path(step)
+        tmp = final.with_name(f".{final.name}.tmp")
         if backend.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # a write a kill interrupted
             tmp.mkdir(parents=True)
@@ -100,7 +101,8 @@ class Checkpoints:
             write_manifest(tmp)  # last: what a resumed run checks every other file against
             shutil.rmtree(final, ignore_errors=True)  # a step_N a resumed run is about to write again
             tmp.rename(final)
-            self.prune()
+            if at is None:
+                self.prune()
         backend.barrier()
         return final
 

@@ -25,7 +25,7 @@ from posttrain.backends import Backend, Trained
 from posttrain.core import micro
 from posttrain.core.aggregation import Totals, aggregate
 from posttrain.core.batch import Batch
-from posttrain.core.errors import TrainingError
+from posttrain.core.errors import TrainingError, UserError
 from posttrain.core.heap import large_allocations_mapped
 from posttrain.core.memory import PhasePeaks, RoleBytes, batch_bytes
 from posttrain.models import lora
@@ -79,7 +79,8 @@ class Engine:
         self.samples: list[dict] = []  # the step's trained samples, when train.log_samples asks for them
         self.tis_cap, self.tis_mode, self.proximal = r.tis_cap, r.tis_mode, r.proximal  # the correction as resolved
         self.elite_is_cap = r.elite_is_cap
-        self.mode, self.norm = plugin.aggregation(a) or (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))
+        self.loss_agg = (t.loss_agg, t.loss_agg_norm or float(cfg.rollout.max_new_tokens))  # the config's
+        self.mode, self.norm = plugin.aggregation(a) or self.loss_agg
         update = plan.passes.update
         self.micro = update.rows
         self.micro_tokens = update.tokens  # None: micro-batches of self.micro rows
@@ -185,13 +186,18 @@ class Engine:
         self.mismatch[2] = torch.maximum(self.mismatch[2], s[2])
 
     # -- update -----------------------------------------------------------------------------------------------
-    def accumulate(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
+    def accumulate(self, batch: Batch, totals: Totals, loss_fn: Callable | None = None) -> dict[str, torch.Tensor]:
         """Back-propagates the loss of the whole batch, one micro-batch at a time (gradients add up). Logs the loss and,
-        beside it, the method's `objective` (algorithms/base.py), aggregated the same way and computed without grad."""
+        beside it, the method's `objective` (algorithms/base.py), aggregated the same way and computed without grad.
+
+        `loss_fn`, when given, replaces the plugin's GC: `loss_fn(micro_batch, logp)` -> a per-token loss [b, R] (or
+        that and a dict of metrics), a differentiable function of the policy's log-probs `logp` [b, R], aggregated
+        as the run aggregates (train.loss_agg); the critic, if any, is not trained, and no objective is logged."""
         backend, algorithm = self.backend, self.algorithm
         micro = self.micro_batches(batch)
         real = sum(rows is not None for rows, _ in micro)  # the rest are empty (see micro_batches)
-        trained = [t for t in (self.policy, self.critic) if t is not None]
+        critic = self.critic if loss_fn is None else None
+        trained = [t for t in (self.policy, critic) if t is not None]
         loss_sum, metrics = torch.zeros((), device=backend.device), {}
         objective_sum = torch.zeros((), device=backend.device)
         for i, (rows, mb) in enumerate(micro):
@@ -202,25 +208,32 @@ class Engine:
                 if rows is None:  # an empty micro-batch: the forwards and backwards of the others, with no gradient
                     self.empty_backward(mb, logp)
                     continue
-                gc, m = self.coefficient(mb, logp.detach())  # [b, R]
-                loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
+                if loss_fn is not None:
+                    per_token, m = own_loss(loss_fn, mb, logp)  # [b, R]
+                    loss = aggregate(per_token, mb.mask, self.mode, totals, self.norm)
+                else:
+                    gc, m = self.coefficient(mb, logp.detach())  # [b, R]
+                    loss = -aggregate(gc.detach() * logp, mb.mask, self.mode, totals, self.norm)
                 backend.backward(loss, self.policy)
-                if self.critic is not None:
+                if critic is not None:
                     with backend.autocast():
-                        values = token_values(self.critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
+                        values = token_values(critic.module, mb.input_ids, mb.attention_mask, mb.prompt_len,
                                               packed=self.packed)
                     per_token, cm = self.plugin.critic_loss(mb, values, algorithm)  # [b, R]
                     critic_mode, critic_norm = self.plugin.critic_aggregation(algorithm)
                     critic_loss = aggregate(per_token, mb.mask, critic_mode, totals, critic_norm)
-                    backend.backward(critic_loss, self.critic)
+                    backend.backward(critic_loss, critic)
                     m = {**m, **cm, "critic_loss": critic_loss * real}
             loss_sum += loss.detach()
-            with torch.no_grad():  # logged only: the gradient, and so the weights, are the loss's alone
-                objective = self.plugin.objective(self.for_plugin(mb), logp.detach(), algorithm)  # [b, R]
-                objective_sum += aggregate(objective, mb.mask, self.mode, totals, self.norm)
+            if loss_fn is None:
+                with torch.no_grad():  # logged only: the gradient, and so the weights, are the loss's alone
+                    objective = self.plugin.objective(self.for_plugin(mb), logp.detach(), algorithm)  # [b, R]
+                    objective_sum += aggregate(objective, mb.mask, self.mode, totals, self.norm)
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0) + v.detach() / real
-        metrics["loss"], metrics["objective"] = loss_sum, objective_sum
+                metrics[k] = metrics.get(k, 0) + torch.as_tensor(v).detach() / real
+        metrics["loss"] = loss_sum
+        if loss_fn is None:
+            metrics["objective"] = objective_sum
         metrics["micro_batches"] = torch.tensor(float(len(micro)))  # counted over the step (`step`), not averaged
         return metrics
 
@@ -274,11 +287,15 @@ class Engine:
         return dataclasses.replace(mb, old_logp=mb.rollout_logp)
 
     def update(self, batch: Batch, totals: Totals) -> dict[str, torch.Tensor]:
-        """One optimizer step (policy, and critic if any) on the gradient of the whole batch.
+        """One optimizer step (policy, and critic if any) on the gradient of the whole batch (`apply`)."""
+        return self.apply(self.accumulate(batch, totals))
+
+    def apply(self, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The optimizer step on the gradients accumulated, whose loss `metrics` holds; returns `metrics` with the
+        gradient norms (and loss scales) added.
 
         A non-finite loss (on any process) or gradient norm skips the step: the gradients are dropped, the weights,
         AdamW state and schedule stay as they were, and `self.skipped` says so."""
-        metrics = self.accumulate(batch, totals)
         max_norm = self.cfg.train.max_grad_norm
         finite = torch.isfinite(metrics["loss"]).float().to(self.backend.device)
         self.skipped = not bool(self.backend.reduce(finite, "min"))  # every process decides alike
@@ -321,11 +338,9 @@ class Engine:
         size = -(-len(batch) // unit // n) * unit
         return [batch.select(rows[i : i + size]) for i in range(0, len(batch), size)]
 
-    def step(self) -> dict[str, float]:
-        """One step: the source's batch, scored for what the plugin needs, then μ × minibatches optimizer steps on
-        it, then the new weights to the rollout engine. Returns the step's metrics."""
-        t_start = time.perf_counter()
-        clock = {"clock/step_start": self.producer.clock()} if self.producer is not None else {}
+    def sample(self) -> tuple[Batch, dict[str, float]]:
+        """The first part of a step: the step counted, the controllers moved to it, and the source's batch (sampled,
+        judged and staged, or the offline rows) on the device, with its statistics."""
         phases, backend = self.phases, self.backend
         self.steps_done += 1
         self.controllers.at(self.steps_done, draws=self.producer is None)  # the producer moves its own draws
@@ -336,7 +351,13 @@ class Engine:
         if self.producer is not None:
             self.check_staleness(batch)
         self.samples = sample_records(self.tokenizer, batch, self.steps_done) if self.cfg.train.log_samples else []
-        with phases.phase("scoring"):
+        return batch, stats
+
+    def prepared(self, batch: Batch) -> tuple[Batch, dict[str, torch.Tensor]]:
+        """The second: the batch scored for what the plugin needs (reference, teacher and old log-probs, values) and
+        prepared by it (advantages), with the plugin's metrics."""
+        backend = self.backend
+        with self.phases.phase("scoring"):
             self.scored(batch)
         self.mismatch = torch.zeros(3, device=backend.device)
         self.elite_sums = torch.zeros(2, device=backend.device)  # Σ weight, Σ tokens over replayed tokens
@@ -344,6 +365,16 @@ class Engine:
             self.observe_mismatch(batch.old_logp, batch.rollout_logp, fresh_mask(batch))
         batch, prep = self.plugin.prepare(batch, self.algorithm)
         self.roles.observe("rollout_batch", batch_bytes(batch))
+        return batch, prep
+
+    def step(self) -> dict[str, float]:
+        """One step: the source's batch, scored for what the plugin needs, then μ × minibatches optimizer steps on
+        it, then the new weights to the rollout engine. Returns the step's metrics."""
+        t_start = time.perf_counter()
+        clock = {"clock/step_start": self.producer.clock()} if self.producer is not None else {}
+        phases, backend = self.phases, self.backend
+        batch, stats = self.sample()
+        batch, prep = self.prepared(batch)
         updates = []
         self.rollout.release()
         skipped, lr = 0, self.policy.scheduler.get_last_lr()[0]  # the rate of this step's first update
@@ -404,6 +435,19 @@ class Engine:
             self.rollout.load_weights(self.backend.weights(self.policy))
 
     @contextlib.contextmanager
+    def method(self, plugin, algorithm):
+        """Within it, `plugin`'s GC with `algorithm` (its config) trains, aggregated as it says (the primitives'
+        `forward_backward` with another registered method's loss); the run's own after."""
+        saved = self.plugin, self.algorithm, self.mode, self.norm, self.needs
+        self.plugin, self.algorithm = plugin, algorithm
+        self.mode, self.norm = plugin.aggregation(algorithm) or self.loss_agg
+        self.needs = self.needs | (plugin.needs(algorithm) & {"old_logp"})  # what `scored` adds for it
+        try:
+            yield
+        finally:
+            self.plugin, self.algorithm, self.mode, self.norm, self.needs = saved
+
+    @contextlib.contextmanager
     def pipeline_state(self):
         """What a checkpoint keeps of batches made ahead (None when they are not), with the producer held between
         two batches so that the controllers it moves match."""
@@ -444,6 +488,17 @@ class Engine:
                             batch_size=e.batch_size, backend=self.backend, k=e.k, n=e.n,
                             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p,
                             episodes=self.episodes)
+
+
+def own_loss(loss_fn: Callable, mb: Batch, logp: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A loss function's per-token loss for a micro-batch ([b, R], checked) and its metrics."""
+    out = loss_fn(mb, logp)
+    per_token, metrics = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(per_token, torch.Tensor) or per_token.shape != logp.shape:
+        shape = tuple(per_token.shape) if isinstance(per_token, torch.Tensor) else type(per_token).__name__
+        raise UserError(f"loss: the function gave {shape}; give a per-token loss of the log-probs' shape "
+                        f"{tuple(logp.shape)} (it is aggregated as train.loss_agg says)")
+    return per_token, dict(metrics)
 
 
 def packs_all(*models) -> bool:
