@@ -13,6 +13,8 @@ from posttrain.environments.base import (
     check,
     describe,
     get,
+    given,
+    pool_for,
     register,
     run_start,
     run_step,
@@ -20,8 +22,8 @@ from posttrain.environments.base import (
     step_function,
 )
 
-__all__ = ["ENVIRONMENTS", "POOL", "Environment", "FileClass", "Reply", "check", "describe", "get", "register",
-           "run_start", "run_step", "start_function", "step_function"]
+__all__ = ["ENVIRONMENTS", "POOL", "Environment", "FileClass", "Reply", "check", "describe", "get", "given", "pool_for",
+           "register", "run_start", "run_step", "start_function", "step_function"]
 
 # The built-in environments register themselves on import.
 from posttrain.environments import calculator, python  # noqa: E402,F401

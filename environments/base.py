@@ -24,7 +24,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from posttrain.core.bounded import BoundedPool
+from posttrain.core.bounded import BoundedPool, InProcess
 from posttrain.core.errors import ConfigError, UserError
 from posttrain.core.files import import_file, load_entry, names_a_file
 from posttrain.core.registry import Registry
@@ -76,6 +76,29 @@ POOL = BoundedPool()  # every environment step runs here; its workers start on t
 
 register = ENVIRONMENTS.register
 PREFIX = "posttrain_custom_env"  # the module name of an environment's file: PREFIX_<hash of its path>
+GIVEN: dict[str, type[Environment]] = {}  # classes given from Python (posttrain.Run's env=), by their env.name
+GIVEN_PREFIX = "python:"
+
+
+def given(env_cls) -> str:
+    """Makes the Environment subclass `env_cls`, given from Python, known as `python:<its class name>`, the env.name
+    that names it (config.yaml records it so); its instances then run in this process (`is_given`), not in the pool's
+    workers, which could not import a class defined in a notebook or a script.
+
+    Raises:
+        ConfigError: `env_cls` is not a subclass of Environment.
+    """
+    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+        raise ConfigError(f"env: give a subclass of posttrain.environments.Environment (the class, not an instance), "
+                          f"got {env_cls!r}")
+    name = GIVEN_PREFIX + env_cls.__name__
+    GIVEN[name] = env_cls
+    return name
+
+
+def pool_for(env_cls) -> BoundedPool | InProcess:
+    """Where `env_cls`'s calls run: the bounded workers (`POOL`); this process for a class given from Python."""
+    return InProcess() if any(env_cls is cls for cls in GIVEN.values()) else POOL
 
 
 @dataclass(frozen=True)
@@ -107,7 +130,12 @@ def get(name: str) -> type[Environment]:
         ConfigError: naming env.name, for an unknown name, a file named without its class, a missing file, one that
             fails to import, no Environment of that name in it, or `stop` strings that are not a tuple of strings.
     """
-    if not names_a_file(name):
+    if str(name).startswith(GIVEN_PREFIX):
+        if name not in GIVEN:
+            raise ConfigError(f"env.name: {name} names an environment class given from Python (posttrain.Run's env=), "
+                              "and none of that name was given")
+        cls = GIVEN[name]
+    elif not names_a_file(name):
         cls = ENVIRONMENTS.find(name)
     else:  # the file's loader says what is wrong with the entry, a missing `:Class` included
         file, cls_name, cls = load_entry(name, "env.name", PREFIX, "a registered name or path/to/file.py:Class")
@@ -163,7 +191,8 @@ def check(env_cls: type[Environment], settings, pool: BoundedPool | None = None)
         ConfigError: naming env.name and the class (and its file), where creating it raised or hung, or an instance
             does not pickle; or the class's own one-line refusal (a UserError from `__init__`), as it is.
     """
-    outcome = (pool or POOL).map(functools.partial(_create, _source(env_cls)), [settings], settings.timeout_s)[0]
+    outcome = (pool or pool_for(env_cls)).map(functools.partial(_create, _source(env_cls)), [settings],
+                                              settings.timeout_s)[0]
     if not outcome.ok:
         why = f"{outcome.error}, env.timeout_s" if outcome.timed_out else outcome.error
         raise ConfigError(f"env.name: {describe(env_cls)}: creating an instance failed ({why})")

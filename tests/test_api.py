@@ -138,6 +138,10 @@ def test_bad_input_from_python_is_one_error_naming_it(tiny_model_dir, tmp_path):
         pt.Run("grpo_math", rewards=[lambda completions, **kw: [0.0] * len(completions)])
     with pytest.raises(ConfigError, match=r"^overrides: give a dict"):
         pt.Run("grpo_math", "train.steps=5")
+    with pytest.raises(ConfigError, match=r"^data.path: given twice"):
+        pt.Run("grpo_math", {"data.path": "rows.jsonl"}, data=[{"question": "1 + 1", "answer": "2"}])
+    with pytest.raises(ConfigError, match=r"^env: give a subclass of posttrain.environments.Environment"):
+        pt.Run("grpo_math", env=object())
 
     def two_few(completions, **kwargs):
         return [1.0]
@@ -171,3 +175,42 @@ print(json.dumps({{"reward/accuracy": step["reward/accuracy"], "alive": alive,
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["alive"] == [True] and out["after"] == [False] and out["reward/accuracy"] >= 0
+
+
+def test_an_environment_class_defined_in_the_script_runs_its_episodes(tiny_model_dir, tmp_path):
+    """env= with a class defined in the script itself (__main__, as in a notebook), which no worker process could
+    import: its instances run in the calling process, and what one keeps carries from reset to its steps."""
+    import subprocess
+    import sys
+
+    overrides = {**SMALL, "model.path": str(tiny_model_dir), "eval.every": 0, "output_dir": str(tmp_path / "run"),
+                 "env.max_turns": 3, "rollout.max_new_tokens": 8}
+    script = f"""
+import json, posttrain
+from posttrain.environments import Environment, Reply
+
+STEPPED = []  # filled only where the steps run: here, if they run in the script's own process
+
+
+class Count(Environment):
+    stop = tuple("0123456789+-=")  # the tiny model's random text meets one of these now and then: a turn ends there
+
+    def reset(self, row):
+        self.answer, self.turns = row["answer"], 0
+
+    def step(self, text, ids, ended):
+        self.turns += 1
+        STEPPED.append(self.answer)
+        return Reply(text="=", reward=0.25, done=ended or self.turns >= 2)
+
+run = posttrain.Run("grpo_math", {overrides!r}, env=Count, quiet=True)
+steps = list(run.steps())
+run.finish()
+print(json.dumps({{"steps": steps, "stepped": len(STEPPED)}}))
+"""
+    proc = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert len(out["steps"]) == 3 and all(m["env/errors"] == 0 for m in out["steps"])
+    assert out["stepped"] > 0  # the turns read, here, in the script's own process
+    assert "  name: python:Count\n" in (tmp_path / "run" / "config.yaml").read_text()

@@ -38,6 +38,9 @@ def test_the_pages_examples_run_as_printed(tmp_path):
         assert summary["steps"] == 10, run
     brevity = [json.loads(line) for line in (tmp_path / "runs" / "python_brevity" / "metrics.jsonl").open()]
     assert all("reward/brevity" in m for m in brevity)
+    assert "name: python:Guess" in (tmp_path / "runs" / "python_env" / "config.yaml").read_text()
+    episodes = [json.loads(line) for line in (tmp_path / "runs" / "python_env" / "metrics.jsonl").open()]
+    assert len(episodes) == 3 and all(m["env/turns"] >= 1 and m["env/errors"] == 0 for m in episodes)
     config = (tmp_path / "runs" / "python_rows" / "config.yaml").read_text()
     assert "path: python:data" in config
     assert json.loads((tmp_path / "runs" / "python_rows" / "summary.json").read_text())["eval_after"]["num_problems"] == 40

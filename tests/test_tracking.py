@@ -259,3 +259,16 @@ def test_names_and_hyperparameters():
     assert schema.RunConfig(report_to="tensorboard, wandb,tensorboard").trackers == ("tensorboard", "wandb")
     assert tracking.hyperparameters({"a": {"b": None, "c": [1, "x"], "d": {"e": True}}, "f": 0.5, "g": "s"}) == \
         {"a.b": "null", "a.c": '[1, "x"]', "a.d.e": True, "f": 0.5, "g": "s"}
+
+
+@pytest.mark.parametrize("jupyter, widgets, live", [(True, True, True), (True, False, False), (False, True, False)])
+def test_the_bar_is_live_in_a_notebook_where_ipywidgets_is_there(monkeypatch, jupyter, widgets, live):
+    """In a notebook (rich's Console says is_jupyter) the bar is rich's live one where ipywidgets can draw it, else
+    the plain lines; stderr not a terminal and no notebook: plain lines (the CLI's output when piped, unchanged)."""
+    from rich.console import Console
+
+    monkeypatch.setattr(tracking, "Console", lambda stderr: Console(stderr=stderr, force_jupyter=jupyter,
+                                                                    force_terminal=False))
+    monkeypatch.setattr(tracking, "has_widgets", lambda: widgets)
+    assert tracking.Progress(10).live is live
+    assert tracking.Progress(10, enabled=False).live is False

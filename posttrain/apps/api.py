@@ -97,6 +97,10 @@ class Run:
         data, test_data: training and held-out rows, each a list of dicts or a `datasets.Dataset` (fields as
             `data.preset` names them, gsm8k's by default); config.yaml then says `data.path: python:data`. Without
             `test_data`, the last eval.num_problems rows of `data` are held out.
+        env: an environment for multi-turn episodes, a subclass of `posttrain.environments.Environment` (the class:
+            one instance is made per episode), defined anywhere, a notebook included; config.yaml then says
+            `env.name: python:<class name>`. Its instances run in this process, with no time bound (docs/environments.md
+            has the interface; a class in a file, `env.name=path/to/file.py:Class`, runs in bounded worker processes).
         quiet: no progress bar or status lines.
 
     The config is checked as the CLI checks it (a `posttrain.UserError` naming the key); the models load at `start`
@@ -106,14 +110,22 @@ class Run:
 
     def __init__(self, recipe: str | os.PathLike = "grpo_math",
                  overrides: Mapping[str, Any] | list[str] | None = None, *, rewards: Rewards = None,
-                 data: Any = None, test_data: Any = None, quiet: bool = False):
+                 data: Any = None, test_data: Any = None, env: type | None = None, quiet: bool = False):
         from posttrain import config
         from posttrain.schema import PYTHON_ROWS
 
         prepare_process()  # the CLI's environment defaults: everything local, transformers quiet (unless set)
         self.given = {key: rows for key, rows in (("data.path", data), ("data.test_path", test_data))
                       if rows is not None}
+        for key in self.given:
+            if any(item.startswith(f"{key}=") for item in dotlist(overrides)):
+                given_as = "data" if key == "data.path" else "test_data"
+                raise ConfigError(f"{key}: given twice, as an override and as rows ({given_as}=); give one")
         placed = [f"{key}={PYTHON_ROWS[key]}" for key in self.given]
+        if env is not None:  # known as python:<class name>, run in this process (posttrain.environments.given)
+            from posttrain import environments
+
+            placed.append(f"env.name={environments.given(env)}")
         if self.given and not any(item.startswith("data.preset=") for item in dotlist(overrides)):
             placed.append("data.preset=gsm8k")  # question / answer rows, unless the overrides name another layout
         self.cfg, self.resolved = config.load(str(recipe), dotlist(overrides) + placed)

@@ -108,6 +108,18 @@ def _direct(fn: Callable[[Any], Any], item: Any) -> Outcome:
         return Outcome(error=_describe(e))
 
 
+class InProcess:
+    """`BoundedPool`'s `map` run in this process, one item after another, without a bound: for code given from
+    Python (an environment class defined in a notebook), which a worker process could not import. An item that
+    raises still gives its `Outcome`; one that hangs hangs the caller."""
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], timeout_s: float) -> list[Outcome]:
+        return [_direct(fn, item) for item in items]
+
+    def close(self) -> None:
+        pass
+
+
 class _Worker:
     """One worker process, the parent's end of its pipe, and what it is doing."""
 

@@ -87,7 +87,7 @@ class Episodes:
         self.tokenizer, self.data, self.pad_id, self.stop_ids = tokenizer, data, pad_id, list(stop_ids)
         self.chat = uses_chat(tokenizer, data)
         self.stop = [tokenizer(s, add_special_tokens=False)["input_ids"] for s in env_cls.stop]
-        self.pool = pool or environments.POOL
+        self.pool = pool or environments.pool_for(env_cls)  # this process's, for a class given from Python
         self.turns = turns  # put each turn's reward on its last token (rewards.process=turns)
         environments.check(env_cls, settings, self.pool)  # one that cannot be created or pickled: one line, now
 
