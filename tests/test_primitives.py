@@ -164,5 +164,7 @@ def test_misuse_of_the_primitives_is_one_error_naming_it(tiny_model_dir, tmp_pat
             run.forward_backward(batch, "gpro")
         with pytest.raises(UserError, match=r"^loss: the function gave \(\)"):
             run.forward_backward(batch, lambda mb, logp: logp.sum())
+        grpo = run.forward_backward(batch, "grpo")
         rloo = run.forward_backward(batch, "rloo")  # another method's GC on the same samples, π_old scored for it
         assert "loss" in rloo and run.training.engine.plugin.name == "grpo"  # the run's own method again after
+        assert "loss" in grpo and run._prepared[1].name == "rloo"  # prepared again, by RLOO's plugin, not reused

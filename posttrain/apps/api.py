@@ -139,7 +139,8 @@ class Run:
         self.summary: dict | None = None  # summary.json's content, once finished
         # the primitives' state: whether they drive the run, the batch last prepared, the gradients not yet applied,
         # and whether the rollout engine has handed its memory back for the update
-        self._driven, self._prepared, self._pending, self._released, self._stats = False, None, [], False, {}
+        self._driven, self._prepared, self._pending, self._released = False, None, [], False
+        self.sample_metrics: dict = {}  # the last `sample`'s statistics: rewards, generated tokens, stages
 
     def start(self) -> Run:
         """Sets the run up, as `posttrain run` does before its first step: the output directory refused if it holds a
@@ -257,9 +258,10 @@ class Run:
         drawn as the recipe draws them and algorithm.group_size completions of each from the current policy (a
         `posttrain.core.batch.Batch`: `input_ids`, `response_ids`, `mask`, `reward` [B], `group` [B], `version` [B],
         and `rollout_logp` where the rollout engine reports the sampler's log-probs); for an offline one, its rows.
-        `texts(batch)` decodes the completions."""
+        `texts(batch)` decodes the completions; `sample_metrics` holds the batch's statistics (the rewards' means,
+        the tokens generated, what the source's stages did), as a step's metrics do."""
         engine = self._loop()
-        batch, self._stats = engine.sample()
+        batch, self.sample_metrics = engine.sample()
         return batch
 
     def score(self, batch):
@@ -310,9 +312,9 @@ class Run:
                                   f" of batches from the {plugin.source} source; this run's {engine.plugin.name} gives "
                                   f"{', '.join(sorted(gives))} of batches from the {engine.plugin.source} source")
             with engine.method(plugin, algorithm):
-                if self._prepared is None or self._prepared[0] is not batch:  # scored and prepared once a batch
-                    self._prepared = (batch, *engine.prepared(batch))
-                _, prepared, prep = self._prepared
+                if self._prepared is None or self._prepared[0] is not batch or self._prepared[1] is not plugin:
+                    self._prepared = (batch, plugin, *engine.prepared(batch))
+                _, _, prepared, prep = self._prepared
                 metrics = {**prep, **engine.accumulate(prepared, engine.totals(prepared))}
         metrics.pop("micro_batches")
         self._pending.append(metrics)
