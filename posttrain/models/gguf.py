@@ -12,7 +12,9 @@ A quantized file's weights are the dequantized values, not the original model's:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -83,7 +85,8 @@ def converted(path: str | Path, key: str, cache: Path, quiet: bool = False) -> P
               file=sys.stderr)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        write_model_dir(file, tmp, key)
+        with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():  # the loader's bar
+            write_model_dir(file, tmp, key)
         (tmp / "gguf_source.json").write_text(json.dumps({"file": str(file.resolve()), "sha256": sha}, indent=1) + "\n")
         try:
             tmp.rename(out)  # whole or not at all; another process's conversion may have landed first
