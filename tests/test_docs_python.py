@@ -31,9 +31,10 @@ def test_the_pages_examples_run_as_printed(tmp_path):
     assert [int(line.split()[0]) for line in loop] == [1, 2, 3, 4, 5]
     assert json.loads((tmp_path / "runs" / "python_loop" / "summary.json").read_text())["steps"] == 5
     assert (tmp_path / "runs" / "python_loop_state" / "manifest.json").is_file()
+    assert json.loads((tmp_path / "runs" / "python_own_loss" / "summary.json").read_text())["steps"] == 3
     own = [line.split() for line in out if line.startswith("own loss ")]
     assert [int(words[2]) for words in own] == [0, 1, 2] and all(float(words[4]) > 0 for words in own)
-    for run in ("python_grpo", "python_steps", "python_brevity", "python_rows"):  # the loops' runs never finish
+    for run in ("python_grpo", "python_steps", "python_brevity", "python_rows"):
         summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
         assert summary["steps"] == 10, run
     brevity = [json.loads(line) for line in (tmp_path / "runs" / "python_brevity" / "metrics.jsonl").open()]
