@@ -47,7 +47,9 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
          "posttrain/models/scoring.py": ["tests/test_scoring.py", "tests/test_packing.py"], "posttrain/rollout/hf.py": ["tests/test_rollout.py"],
          "posttrain/core/batch.py": ["tests/test_data.py", "tests/test_engine.py"],
          "posttrain/train/engine.py": ["tests/test_grpo.py", "tests/test_lora.py", "tests/test_packing.py",
-                                       "tests/test_distill.py::test_the_engine_scores_the_teacher_at_the_sampling_temperature"],
+                                       "tests/test_distill.py::test_the_engine_scores_the_teacher_at_the_sampling_temperature",
+                                       "tests/test_primitives.py::test_a_custom_per_token_loss_gets_autograds_gradient_"
+                                       "through_micro_batches"],
          "posttrain/core/micro.py": ["tests/test_packing.py"],
          "posttrain/models/gated_mlp.py": ["tests/test_gated_mlp.py"], "posttrain/models/lora.py": ["tests/test_lora.py"],
          "posttrain/backends/fsdp.py": [f"{DIST}::test_two_rank_update_equals_one_process_on_the_same_global_batch"],
@@ -62,6 +64,11 @@ FIRST = {"algorithms/base.py": ["tests/test_algorithms.py"], "posttrain/core/reg
                                                   "tests/test_async.py::test_a_push_that_fails_or_hangs_half_way_never_reaches_the_engine"],
          "posttrain/rollout/workers/pool.py": ["tests/test_async.py::test_staleness_0_is_the_colocated_run_byte_for_byte"],
          "posttrain/rollout/workers/actors.py": ["tests/test_ray.py"], "posttrain/train/build.py": ["tests/test_ray.py"],
+         "posttrain/judge.py": ["tests/test_api.py::test_reward_functions_are_called_as_trl_calls_them"],
+         "posttrain/data/rows.py": ["tests/test_api.py::test_rows_from_python_train_as_the_same_rows_in_a_file"],
+         "posttrain/models/gguf.py": ["tests/test_gguf.py"],
+         "posttrain/core/launch.py": ["tests/test_api.py::test_a_script_without_a_main_guard_runs_and_leaving_the_run_stops_"
+                                     "its_workers"],
          "posttrain/train/controllers.py": ["tests/test_schedules.py", "tests/test_early_stop.py",
                                             "tests/test_adaptive.py::test_adaptive_sampling_runs_and_resumes_exactly",
                                             "tests/test_resume.py::test_killed_twice_and_resumed_equals_uninterrupted"]}
@@ -100,6 +107,8 @@ BASE, SCALE = "posttrain/backends/base.py", "posttrain/backends/loss_scale.py"
 PREC, THREADS = "posttrain/core/precision.py", "posttrain/core/threads.py"
 STAGES, CONTROL = "posttrain/stages/__init__.py", "posttrain/train/controllers.py"
 PLAN = "posttrain/train/plan.py"  # the run's decisions, made once
+JUDGE, ROWS, GGUF = "posttrain/judge.py", "posttrain/data/rows.py", "posttrain/models/gguf.py"
+LAUNCH = "posttrain/core/launch.py"
 STAGE_LIST = ("[PassRateUpdates, OverlongPenalty, DynamicSampling, EliteReplay, StepRewards,\n"
               "                             AdaptiveTemperature]")
 CONTROLLERS = ("draws", "pass_rates", "temperature", "elite", "beta", "early_stop")
@@ -312,6 +321,19 @@ MUTANTS = [
     m("teacher-temperature", TRAIN, "Engine.scored", "the teacher scored at temperature 1, not the sampling one",
       "            batch.teacher_logp = self.score(self.teacher, batch)",
       "            batch.teacher_logp = self.score(self.teacher, dataclasses.replace(batch, temperature=1.0))"),
+    # posttrain from Python (posttrain/apps/api.py) and GGUF checkpoints
+    m("python-reward-unweighted", JUDGE, "Judge.score", "a Python reward function logged but left out of the reward",
+      "            total = [t + weight * (s or 0.0) for t, s in zip(total, parts[name])]",
+      "            total = list(total)"),
+    m("python-rows-ignored", ROWS, "load_splits", "rows given from Python ignored for the file their marker names",
+      'train = read_rows(given.get("data.path", cfg.path), "data.path")', 'train = read_rows(cfg.path, "data.path")'),
+    m("own-loss-ascended", TRAIN, "Engine.accumulate", "a loss function's per-token loss ascended, not descended",
+      "                    loss = aggregate(per_token, mb.mask, self.mode, totals, self.norm)",
+      "                    loss = -aggregate(per_token, mb.mask, self.mode, totals, self.norm)"),
+    m("gguf-still-quantized", GGUF, "write_model_dir", "the loader's quantization record kept in the converted config",
+      '        model.config.__dict__.pop("quantization_config", None)', "        pass"),
+    m("main-imported", LAUNCH, "main_unimported", "worker processes import the caller's __main__ again",
+      '        main.__dict__.pop("__file__", None)\n        main.__dict__["__spec__"] = None', "        pass"),
     m("teacher-is-policy", TRAIN, "Engine.scored", "the policy scored in the teacher's place",
       "            batch.teacher_logp = self.score(self.teacher, batch)",
       "            batch.teacher_logp = self.score(self.policy.module, batch)"),

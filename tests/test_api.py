@@ -84,7 +84,7 @@ def test_reward_functions_are_called_as_trl_calls_them(tiny_model_dir, tmp_path)
 
     def short(completions, prompts, answer, question, **kwargs):
         calls.append((list(completions), list(prompts), list(answer), list(question), kwargs))
-        return [1.0 if len(c) < 4 else 0.0 for c in completions]
+        return [1.0 / (1 + len(c)) for c in completions]
 
     def nothing(completions, **kwargs):
         return [None] * len(completions)  # could not score: 0, counted
@@ -99,8 +99,8 @@ def test_reward_functions_are_called_as_trl_calls_them(tiny_model_dir, tmp_path)
     assert all(isinstance(c, str) for c in completions) and all(q in p for q, p in zip(questions, prompts))
     assert answers[0] == answers[3] and answers[0].split("####")[-1].strip().lstrip("-").isdigit()
     for m, (completions, *_) in zip(metrics, calls):
-        share = sum(len(c) < 4 for c in completions) / len(completions)
-        assert m["reward/short"] == pytest.approx(share) and m["reward/nothing"] == 0.0
+        share = sum(1.0 / (1 + len(c)) for c in completions) / len(completions)
+        assert share > 0 and m["reward/short"] == pytest.approx(share) and m["reward/nothing"] == 0.0
         assert m["reward"] == pytest.approx(2.0 * share) and m["reward/verify_errors"] == len(completions)
 
 
