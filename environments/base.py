@@ -82,7 +82,7 @@ GIVEN_PREFIX = "python:"
 
 def given(env_cls) -> str:
     """Makes the Environment subclass `env_cls`, given from Python, known as `python:<its class name>`, the env.name
-    that names it (config.yaml records it so); its instances then run in this process (`is_given`), not in the pool's
+    that names it (config.yaml records it so); its instances then run in this process (`pool_for`), not in the pool's
     workers, which could not import a class defined in a notebook or a script.
 
     Raises:

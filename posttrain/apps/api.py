@@ -115,10 +115,11 @@ class Run:
         from posttrain.schema import PYTHON_ROWS
 
         prepare_process()  # the CLI's environment defaults: everything local, transformers quiet (unless set)
+        overrides = dotlist(overrides)
         self.given = {key: rows for key, rows in (("data.path", data), ("data.test_path", test_data))
                       if rows is not None}
         for key in self.given:
-            if any(item.startswith(f"{key}=") for item in dotlist(overrides)):
+            if any(item.startswith(f"{key}=") for item in overrides):
                 given_as = "data" if key == "data.path" else "test_data"
                 raise ConfigError(f"{key}: given twice, as an override and as rows ({given_as}=); give one")
         placed = [f"{key}={PYTHON_ROWS[key]}" for key in self.given]
@@ -126,9 +127,9 @@ class Run:
             from posttrain import environments
 
             placed.append(f"env.name={environments.given(env)}")
-        if self.given and not any(item.startswith("data.preset=") for item in dotlist(overrides)):
+        if self.given and not any(item.startswith("data.preset=") for item in overrides):
             placed.append("data.preset=gsm8k")  # question / answer rows, unless the overrides name another layout
-        self.cfg, self.resolved = config.load(str(recipe), dotlist(overrides) + placed)
+        self.cfg, self.resolved = config.load(str(recipe), overrides + placed)
         self.rewards = reward_functions(rewards)
         if self.rewards and config.algorithm_of(self.cfg).source != "online":
             raise ConfigError(f"rewards: {config.algorithm_of(self.cfg).name} does not sample, so it scores no reward; "

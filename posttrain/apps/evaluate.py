@@ -50,7 +50,6 @@ def main(model: str, items: list[str], *, output: str = "eval.json", quiet: bool
     if gguf.is_gguf(model):  # read once into a model directory in the cache (posttrain/models/gguf.py)
         model = weights = gguf.converted(model, "MODEL_DIR", cache_root(cfg), quiet=quiet)
         given["converted"] = str(weights)
-        cfg, _ = config.load(recipes[0] if recipes else DEFAULT_RECIPE, overrides + [f"model.path={weights}"])
     e, sampling = cfg.eval, cfg.rollout
     if e.num_problems == 0:
         raise UserError("eval.num_problems: 0 leaves nothing to evaluate")

@@ -116,9 +116,6 @@ class InProcess:
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any], timeout_s: float) -> list[Outcome]:
         return [_direct(fn, item) for item in items]
 
-    def close(self) -> None:
-        pass
-
 
 class _Worker:
     """One worker process, the parent's end of its pipe, and what it is doing."""

@@ -57,3 +57,12 @@ def load_entry(entry: str, key: str, prefix: str, expected: str) -> tuple[str, s
         why = (str(err).strip().splitlines() or [""])[0]
         raise ConfigError(f"{key}: importing '{file}' failed ({type(err).__name__}: {why})") from None
     return str(file), name, getattr(module, name, None)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of the file at `path`, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -13,7 +13,6 @@ A quantized file's weights are the dequantized values, not the original model's:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -22,6 +21,7 @@ import sys
 from pathlib import Path
 
 from posttrain.core.errors import UserError
+from posttrain.core.files import file_sha256
 
 MAGIC = b"GGUF"  # every GGUF file's first four bytes
 INSTALL = "pip install 'posttrain[gguf]'"
@@ -30,15 +30,6 @@ INSTALL = "pip install 'posttrain[gguf]'"
 def is_gguf(path: str | Path | None) -> bool:
     """Whether `path` names a GGUF file (by its suffix; the file itself is checked by `converted`)."""
     return path is not None and str(path).lower().endswith(".gguf")
-
-
-def digest(path: Path) -> str:
-    """The file's sha256 (hex), read in blocks."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check_file(file: Path, key: str) -> None:
@@ -76,7 +67,7 @@ def converted(path: str | Path, key: str, cache: Path, quiet: bool = False) -> P
     """
     file = Path(path)
     check_file(file, key)
-    sha = digest(file)
+    sha = file_sha256(file)
     out = cache / "gguf" / f"{file.stem}-{sha[:16]}"
     if (out / "config.json").is_file():
         return out
@@ -102,7 +93,8 @@ def converted(path: str | Path, key: str, cache: Path, quiet: bool = False) -> P
 
 
 def write_model_dir(file: Path, out: Path, key: str) -> None:
-    """Dequantizes the GGUF `file` into a Hugging Face directory `out` (float32 safetensors, tokenizer, chat template)."""
+    """Dequantizes the GGUF `file` into a Hugging Face directory `out`: float32 safetensors, the tokenizer, the chat
+    template."""
     import torch
     import transformers
 

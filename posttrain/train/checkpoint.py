@@ -34,7 +34,6 @@ backend and process count that wrote the checkpoint; every process must see the 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import random
 import re
@@ -46,6 +45,7 @@ import torch
 
 from posttrain.core.errors import ConfigError, UserError
 from posttrain.core.faults import crash_point  # noqa: F401 - the loop calls it from here
+from posttrain.core.files import file_sha256
 from posttrain.models.lora import BASE_COPY
 from posttrain.rollout.workers import one_line
 
@@ -191,17 +191,9 @@ def write_manifest(path: Path) -> None:
     for f in sorted(path.rglob("*")):
         if f.is_file() and f.name != MANIFEST:
             size = f.stat().st_size
-            files[f.relative_to(path).as_posix()] = {"bytes": size, **({"sha256": sha256(f)}
+            files[f.relative_to(path).as_posix()] = {"bytes": size, **({"sha256": file_sha256(f)}
                                                                       if size <= HASHED_BYTES else {})}
     (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(2**20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def damage(path: Path) -> str | None:
@@ -223,7 +215,7 @@ def damage(path: Path) -> str | None:
                 return f"{name} is missing"
             if (size := f.stat().st_size) != entry["bytes"]:
                 return f"{name} has {size:,} bytes of the {entry['bytes']:,} written"
-            if "sha256" in entry and sha256(f) != entry["sha256"]:
+            if "sha256" in entry and file_sha256(f) != entry["sha256"]:
                 return f"{name} is not what was written (its sha256 differs)"
         return None
     try:
